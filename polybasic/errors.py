@@ -1,0 +1,19 @@
+"""Errors raised for bad input. Every message names the field at fault and how to fix it."""
+
+
+class PolybasicError(Exception):
+    """Base class of polybasic's own errors."""
+
+
+class ConfigError(PolybasicError, ValueError):
+    """A bad argument, recipe field or config value."""
+
+
+class ModelNotFoundError(PolybasicError, FileNotFoundError):
+    """A model name, path or package that cannot be resolved."""
+
+
+def check(cond: bool, field: str, problem: str, fix: str) -> None:
+    """Raise ConfigError('<field>: <problem>; <fix>') unless cond holds."""
+    if not cond:
+        raise ConfigError(f"{field}: {problem}; {fix}")

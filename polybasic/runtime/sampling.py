@@ -1,0 +1,66 @@
+"""Logit processing (temperature, top-k, top-p) and sampling, shared by every decoding path.
+
+Every level of a chain turns logits into probabilities with the same `probs_from_logits`, so the
+chain samples exactly from the target's *processed* distribution. Greedy (temperature 0) is the
+one-hot distribution of the argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from polybasic.errors import check
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    def __post_init__(self) -> None:
+        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}",
+              "use 0 for greedy decoding or a positive value for sampling")
+        check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}", "use 0 to disable top-k")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}",
+              "use 1.0 to disable nucleus sampling")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """logits [..., V] -> processed probabilities [..., V] in fp32."""
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (the top-1 always stays)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Draw one token per row of probs [..., V] -> [...] (exponential-race trick, exact)."""
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
