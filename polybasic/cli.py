@@ -1,0 +1,90 @@
+"""`polybasic` command line: generate | bench (more stages arrive with their issues)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from polybasic.errors import PolybasicError
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text (streams to stdout)")
+    p.add_argument("--model", default="smollm2-135m", help="short name, .gguf file, HF folder or Hub id")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+
+    from polybasic.models import load_model
+    from polybasic.runtime.generate import GenerationStats, check_request, generate_tokens
+    from polybasic.runtime.sampling import SamplingConfig, make_generator
+    from polybasic.runtime.text import encode_prompt, eos_ids, stream_text
+
+    sampling = SamplingConfig(a.temperature, a.top_k, a.top_p)  # validates before loading
+    if a.max_new_tokens <= 0:
+        check_request([0], a.max_new_tokens, 2)
+    lm = load_model(a.model, a.dtype)
+    ids = encode_prompt(lm.tokenizer, a.prompt, chat=not a.no_chat)
+    stats = GenerationStats()
+    tokens: list[int] = []
+
+    def collect():
+        for t in generate_tokens(lm.model, ids, a.max_new_tokens, sampling, eos_ids(lm.tokenizer),
+                                 make_generator(a.seed), stats):
+            tokens.append(t)
+            yield t
+
+    pieces = []
+    for piece in stream_text(lm.tokenizer, collect()):
+        pieces.append(piece)
+        if not a.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    if a.json:
+        print(json.dumps({"text": "".join(pieces), "new_tokens": stats.new_tokens,
+                          "tokens_per_s": stats.tokens_per_s, "stats": stats.to_dict()}))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, stop: {stats.stop_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="polybasic", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    try:
+        from polybasic.bench.cli import add_parser as add_bench
+    except ImportError:
+        add_bench = None
+    if add_bench is not None:
+        add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except PolybasicError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
