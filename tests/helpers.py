@@ -8,11 +8,13 @@ from polybasic.models import ModelArgs, build_model, hf_to_lean_state_dict
 
 
 def tiny_llama_config(vocab: int = 128, hidden: int = 64, layers: int = 2, heads: int = 4,
-                      kv_heads: int = 2, tie: bool = True, max_pos: int = 256) -> LlamaConfig:
+                      kv_heads: int = 2, tie: bool = True, max_pos: int = 256,
+                      init_std: float = 0.02) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 32,
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                        max_position_embeddings=max_pos, rope_theta=10000.0, tie_word_embeddings=tie,
-                       bos_token_id=0, eos_token_id=1, pad_token_id=1)
+                       bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                       initializer_range=init_std)
 
 
 def tiny_hf_llama(seed: int = 0, **kw) -> LlamaForCausalLM:
@@ -34,3 +36,35 @@ def perturbed_copy(hf: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaFo
         for p in copy.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
     return copy
+
+
+class ScriptedLM:
+    """Stub with the lean decoder's interface whose logits come from a script of the context.
+
+    script(context: list[int]) -> logits [V] for the next token. Keeps a token buffer indexed by
+    position, so rollback (a call with a smaller `start`) behaves like a real KV cache.
+    """
+
+    def __init__(self, vocab: int, script, max_seq_len: int = 4096) -> None:
+        from types import SimpleNamespace
+
+        self.args = SimpleNamespace(vocab_size=vocab, max_seq_len=max_seq_len)
+        self.script, self.device, self.buf, self.calls = script, torch.device("cpu"), [], 0
+
+    def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
+        self.buf = [0] * max_seq_len
+
+    def __call__(self, tokens, start: int, last_only: bool = False):
+        self.calls += 1
+        toks = tokens[0].tolist()
+        self.buf[start:start + len(toks)] = toks
+        rows = [torch.as_tensor(self.script(self.buf[:start + i + 1]), dtype=torch.float32)
+                for i in range(len(toks))]
+        logits = torch.stack(rows)[None]  # [1, M, V]
+        return logits, torch.zeros(1, len(toks), 4)
+
+
+def one_hot_logits(vocab: int, token: int, peak: float = 20.0) -> torch.Tensor:
+    out = torch.zeros(vocab)
+    out[token] = peak
+    return out

@@ -1,0 +1,135 @@
+"""Lossless N-level (polybasic) speculative decoding.
+
+Levels are ordered target first. The bottom level proposes up to `k` tokens. Every level above it
+runs verification rounds: it asks the level below for a chunk, scores the whole chunk in ONE
+forward, keeps the accepted prefix plus the corrected or bonus token (speculative sampling), and
+repeats until it holds at least its threshold of tokens that the level above has not seen; then it
+hands them up with its own distributions at those positions. A token that survived speculative
+sampling at level i is an exact sample of level i's distribution, so those distributions are the
+proposal distributions the level above must verify against. The target's rounds are the output.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from polybasic.errors import ConfigError, check
+from polybasic.runtime.generate import check_request
+from polybasic.runtime.levels import Level
+from polybasic.runtime.sampling import SamplingConfig
+from polybasic.runtime.stats import ChainStats, LinkStats
+from polybasic.runtime.verify import speculative_verify
+
+
+class Chain:
+    def __init__(self, levels: Sequence[Level], k: int = 5, thresholds: Sequence[int] | None = None,
+                 eos: set[int] | frozenset[int] = frozenset()) -> None:
+        """levels: target first, bottom proposer last. thresholds: one per middle level
+        (levels[1:-1]); default k + 1 each."""
+        levels = list(levels)
+        check(len(levels) >= 2, "levels", f"a chain needs at least 2 levels, got {len(levels)}",
+              "pass [target, drafter, ...]")
+        check(isinstance(k, int) and k >= 1, "k", f"must be an integer >= 1, got {k!r}",
+              "the bottom level proposes k tokens per round")
+        n_mid = len(levels) - 2
+        thresholds = [k + 1] * n_mid if thresholds is None else list(thresholds)
+        check(len(thresholds) == n_mid, "thresholds",
+              f"needs one value per middle level ({n_mid}), got {len(thresholds)}", "fix the list")
+        for i, t in enumerate(thresholds):
+            check(isinstance(t, int) and t >= 1, f"thresholds[{i}]", f"must be an integer >= 1, got {t!r}",
+                  "a middle level hands up at least one token")
+        for lvl in levels[:-1]:
+            check(lvl.can_score, f"level '{lvl.name}'", "cannot verify (it only proposes)",
+                  "place it at the bottom of the chain")
+        vocab = levels[0].vocab_size
+        for lvl in levels[1:]:
+            if lvl.vocab_size is None:
+                lvl.vocab_size = vocab
+            elif lvl.vocab_size != vocab:
+                raise ConfigError(f"level '{lvl.name}': vocabulary size {lvl.vocab_size} differs from the "
+                                  f"target's {vocab}; every level must share the target's tokenizer")
+        _check_tokenizers(levels)
+        self.levels, self.k, self.thresholds = levels, k, [None] + thresholds + [None]
+        self.eos = frozenset(eos)
+        self.stats = ChainStats()
+
+    # -- public API -----------------------------------------------------------------------------
+    def stream(self, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+               generator: torch.Generator | None = None) -> Iterator[int]:
+        """Yield new tokens as the target commits them. `self.stats` describes the run."""
+        target = self.levels[0]
+        budget = check_request(prompt, max_new_tokens, getattr(target, "max_seq_len", 1 << 30))
+        t0 = time.perf_counter()
+        self.sampling, self.generator = sampling, generator
+        for lvl in self.levels:
+            lvl.start(len(prompt) + budget + 1)
+        self.stats = st = ChainStats(prompt_tokens=len(prompt))
+        st.links = [LinkStats(a.name, b.name) for a, b in zip(self.levels, self.levels[1:])]
+        st.stop_reason = "max_new_tokens" if budget == max_new_tokens else "context_window"
+        try:
+            for new, _ in self._rounds(0, list(prompt), budget):
+                for tok in new:
+                    st.new_tokens += 1
+                    st.wall_s = time.perf_counter() - t0
+                    yield tok
+                    if tok in self.eos:
+                        st.stop_reason = "eos"
+                        return
+        finally:
+            st.wall_s = time.perf_counter() - t0
+            st.levels = [{"name": lvl.name, **lvl.counters.__dict__} for lvl in self.levels]
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+                 generator: torch.Generator | None = None) -> tuple[list[int], ChainStats]:
+        tokens = list(self.stream(prompt, max_new_tokens, sampling, generator))
+        return tokens, self.stats
+
+    # -- the algorithm ----------------------------------------------------------------------------
+    def _rounds(self, i: int, context: list[int], cap: int) -> Iterator[tuple[list[int], Tensor]]:
+        """Verification rounds of level i (< n) after `context`, at most `cap` tokens in all.
+        Yields (new tokens, level i's distributions at their positions [len, V])."""
+        lvl, produced = self.levels[i], []
+        while len(produced) < cap:
+            ctx = context + produced
+            draft, q = self._chunk(i + 1, ctx, cap - len(produced) - 1)
+            p = lvl.score(ctx, draft, self.sampling)  # [len(draft)+1, V]
+            n_acc, nxt = speculative_verify(torch.tensor(draft, dtype=torch.long, device=p.device),
+                                            q.to(p.device), p, self.sampling.greedy, self.generator)
+            self.stats.links[i].record(n_acc, len(draft))
+            new = draft[:n_acc] + [nxt]
+            produced += new
+            yield new, p[:n_acc + 1]
+            if nxt in self.eos or any(t in self.eos for t in new):
+                return
+
+    def _chunk(self, j: int, context: list[int], cap: int) -> tuple[list[int], Tensor]:
+        """What level j hands up to level j-1: at most `cap` tokens after `context`, with the
+        distributions they were sampled from [len, V]."""
+        lvl = self.levels[j]
+        if cap <= 0:
+            return [], torch.empty(0, lvl.vocab_size)
+        if j == len(self.levels) - 1:
+            return lvl.propose(context, min(self.k, cap), self.sampling, self.generator, self.eos)
+        tokens: list[int] = []
+        rows: list[Tensor] = []
+        for new, p in self._rounds(j, context, cap):
+            tokens += new
+            rows.append(p)
+            if len(tokens) >= self.thresholds[j]:
+                break
+        return tokens, torch.cat(rows)
+
+
+def _check_tokenizers(levels: Sequence[Level]) -> None:
+    toks = [(lvl.name, lvl.tokenizer) for lvl in levels if lvl.tokenizer is not None]
+    if len(toks) < 2:
+        return
+    ref_name, ref = toks[0]
+    ref_vocab = ref.get_vocab()
+    for name, tok in toks[1:]:
+        if tok is not ref and tok.get_vocab() != ref_vocab:
+            raise ConfigError(f"level '{name}': its tokenizer differs from level '{ref_name}''s; every "
+                              "level must use the target's tokenizer")

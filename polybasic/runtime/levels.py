@@ -1,0 +1,156 @@
+"""Chain levels behind one small interface.
+
+A level sees the whole token context on every call and keeps its own cache in sync by itself: it
+remembers which tokens its KV cache holds and reuses the longest prefix shared with the new context
+(that is the rollback). Two operations:
+- score(context, draft): ONE forward over the unseen context tokens plus the draft; returns the
+  processed distributions at the len(draft) draft positions and one past them, [len(draft)+1, V].
+- propose(context, k): k tokens drafted autoregressively, with the distributions they were
+  sampled from, [k, V].
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from polybasic.runtime.sampling import SamplingConfig, probs_from_logits, sample
+
+
+@dataclass
+class LevelCounters:
+    forwards: int = 0
+    time_s: float = 0.0
+    tokens_fed: int = 0
+
+
+class Level:
+    """Base class: name, vocabulary size and per-generation counters."""
+
+    name: str = "level"
+    vocab_size: int | None = None
+    can_score: bool = False
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.counters = LevelCounters()
+
+    def start(self, max_len: int) -> None:
+        """Prepare for a new generation whose sequence never exceeds max_len tokens."""
+        self.counters = LevelCounters()
+
+    def score(self, context: list[int], draft: list[int], sampling: SamplingConfig) -> Tensor:
+        raise NotImplementedError(f"level '{self.name}' cannot verify; put it at the bottom of the chain")
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None, eos: frozenset[int]) -> tuple[list[int], Tensor]:
+        raise NotImplementedError
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class ModelLevel(Level):
+    """Any causal LM with the lean decoder's interface: forward(tokens [1, M], start) -> (logits, hidden).
+
+    After each forward, `hidden` [M, E] holds the last layer's features of the fed positions
+    (`hidden_start` is the position of its first row): what an EAGLE drafter head reads.
+    """
+
+    can_score = True
+
+    def __init__(self, model, name: str = "model", tokenizer=None) -> None:
+        super().__init__()
+        self.model, self.name, self.tokenizer = model, name, tokenizer
+        self.vocab_size = model.args.vocab_size
+        self.max_seq_len = model.args.max_seq_len
+        self.cached: list[int] = []  # tokens whose K/V sit in the cache, positions 0..len-1
+        self.hidden: Tensor | None = None
+        self.hidden_start = 0
+
+    def start(self, max_len: int) -> None:
+        super().start(max_len)
+        self.model.setup_caches(max_len)
+        self.cached = []
+
+    @torch.inference_mode()
+    def score(self, context: list[int], draft: list[int], sampling: SamplingConfig) -> Tensor:
+        t0 = time.perf_counter()
+        seq = context + draft
+        # reuse the cached prefix shared with this context, but always feed >= 1 context token so
+        # the logits at the last context position (predicting draft[0]) are produced
+        start = min(common_prefix(self.cached, context), len(context) - 1)
+        feed = torch.tensor([seq[start:]], dtype=torch.long, device=self.model.device)  # [1, M]
+        logits, hidden = self.model(feed, start)  # [1, M, V], [1, M, E]
+        self.cached = seq
+        self.hidden, self.hidden_start = hidden[0], start
+        probs = probs_from_logits(logits[0, -(len(draft) + 1):], sampling)  # [len(draft)+1, V]
+        c = self.counters
+        c.forwards += 1
+        c.tokens_fed += feed.shape[1]
+        c.time_s += time.perf_counter() - t0
+        return probs
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None, eos: frozenset[int]) -> tuple[list[int], Tensor]:
+        tokens: list[int] = []
+        rows: list[Tensor] = []
+        for _ in range(k):
+            probs = self.score(context + tokens, [], sampling)[0]  # [V]
+            tok = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
+            tokens.append(tok)
+            rows.append(probs)
+            if tok in eos:
+                break
+        return tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+
+
+class NGramLevel(Level):
+    """Model-free prompt-lookup proposer: continue the latest earlier occurrence of the context's
+    last n-gram (n from max_ngram down to min_ngram). Its proposals are deterministic, so their
+    distributions are one-hot and speculative sampling stays exact."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram",
+                 vocab_size: int | None = None) -> None:
+        super().__init__()
+        from polybasic.errors import check
+
+        check(min_ngram >= 1, "min_ngram", f"must be >= 1, got {min_ngram}", "use 1 or more")
+        check(max_ngram >= min_ngram, "max_ngram", f"must be >= min_ngram ({min_ngram}), got {max_ngram}",
+              "raise max_ngram")
+        self.max_ngram, self.min_ngram, self.name, self.vocab_size = max_ngram, min_ngram, name, vocab_size
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        ctx = np.asarray(context, dtype=np.int64)
+        n_ctx = len(ctx)
+        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
+            tail = ctx[n_ctx - n:]
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:n_ctx - 1], n)  # [n_ctx-n, n]
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            hits = hits[hits + n < n_ctx]  # must have a continuation
+            if hits.size:
+                s = int(hits[-1]) + n
+                return ctx[s:s + k].tolist()
+        return []
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None, eos: frozenset[int]) -> tuple[list[int], Tensor]:
+        t0 = time.perf_counter()
+        tokens = self.lookup(context, k)
+        for i, t in enumerate(tokens):
+            if t in eos:
+                tokens = tokens[:i + 1]
+                break
+        q = torch.zeros(len(tokens), self.vocab_size)
+        if tokens:
+            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        self.counters.forwards += 1
+        self.counters.time_s += time.perf_counter() - t0
+        return tokens, q

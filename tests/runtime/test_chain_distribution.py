@@ -1,0 +1,93 @@
+"""With sampling, chain output is distributed exactly as the target's processed distribution.
+
+Method: a fixed prompt, N seeded chain generations of 3 tokens each; Pearson chi-square tests of
+(a) the first token against the target's processed next-token distribution and (b) the 3-token
+sequence against the exact joint distribution computed from the target (cells with expected count
+< 5 pooled). Bound: the test fails when p < 1e-3. With the fixed seeds the outcome is
+deterministic; a correct sampler fails a single such test with probability 1e-3. The same test
+applied to a deliberately wrong rule (always accept the draft) must fail, and does.
+"""
+import itertools
+
+import pytest
+import torch
+
+import polybasic.runtime.chain as chain_mod
+from polybasic.runtime.chain import Chain
+from polybasic.runtime.levels import ModelLevel, NGramLevel
+from polybasic.runtime.sampling import SamplingConfig, make_generator, probs_from_logits
+from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf_llama
+from tests.stat_utils import chi_square_pvalue
+
+V, N, P_MIN = 16, 2500, 1e-3
+PROMPT = [3, 7, 2, 3, 7]
+KW = dict(vocab=V, hidden=32, layers=1, heads=2, kv_heads=1, init_std=0.3)
+SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-p0.9": SamplingConfig(temperature=0.7, top_p=0.9)}
+
+
+@pytest.fixture(scope="module")
+def world():
+    hf = tiny_hf_llama(seed=10, **KW)
+    models = {
+        "target": lean_from_hf(hf),
+        "mid": lean_from_hf(perturbed_copy(hf, 0.3, seed=11)),
+        "far": lean_from_hf(perturbed_copy(hf, 0.8, seed=12)),
+        "small": lean_from_hf(tiny_hf_llama(seed=13, **{**KW, "hidden": 16})),
+    }
+    return hf, models
+
+
+def exact_joint(hf, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-token distribution [V] and 3-token joint distribution [V, V, V] of the target."""
+    with torch.no_grad():
+        base = torch.tensor([PROMPT])
+        p1 = probs_from_logits(hf(base).logits[0, -1], sampling).double()  # [V]
+        pairs = torch.tensor(list(itertools.product(range(V), repeat=1)))  # [V, 1]
+        ctx2 = torch.cat([base.expand(V, -1), pairs], 1)  # [V, P+1]
+        p2 = probs_from_logits(hf(ctx2).logits[:, -1], sampling).double()  # [V, V]
+        pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # [V*V, 2]
+        ctx3 = torch.cat([base.expand(V * V, -1), pairs], 1)
+        p3 = probs_from_logits(hf(ctx3).logits[:, -1], sampling).double().view(V, V, V)
+    return p1, p1[:, None, None] * p2[:, :, None] * p3
+
+
+CHAINS = {"n2": ["mid"], "n3": ["mid", "small"], "n4": ["mid", "far", "ngram"]}
+
+
+def sample_chain(models, names, sampling, seed, n=N):
+    levels = [ModelLevel(models["target"], "target")]
+    levels += [NGramLevel(max_ngram=2) if x == "ngram" else ModelLevel(models[x], x) for x in names]
+    chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1))
+    g = make_generator(seed)
+    first, seqs = torch.zeros(V), torch.zeros(V, V, V)
+    for _ in range(n):
+        out, _ = chain.generate(PROMPT, 3, sampling, g)
+        first[out[0]] += 1
+        seqs[out[0], out[1], out[2]] += 1
+    return first, seqs
+
+
+@pytest.mark.parametrize("sname", list(SAMPLINGS))
+@pytest.mark.parametrize("cname", list(CHAINS))
+def test_chain_samples_match_target(world, cname, sname):
+    hf, models = world
+    sampling = SAMPLINGS[sname]
+    p1, joint = exact_joint(hf, sampling)
+    first, seqs = sample_chain(models, CHAINS[cname], sampling, seed=1234)
+    assert chi_square_pvalue(first, p1) > P_MIN
+    assert chi_square_pvalue(seqs, joint) > P_MIN
+
+
+def always_accept(draft, q, p, greedy, generator=None):
+    """A WRONG rule: accept every draft token, then sample a bonus from p."""
+    k = draft.shape[0]
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
+def test_wrong_rule_is_detected(world, monkeypatch):
+    hf, models = world
+    sampling = SAMPLINGS["t1"]
+    p1, joint = exact_joint(hf, sampling)
+    monkeypatch.setattr(chain_mod, "speculative_verify", always_accept)
+    first, seqs = sample_chain(models, ["far"], sampling, seed=1234)
+    assert chi_square_pvalue(seqs, joint) < P_MIN

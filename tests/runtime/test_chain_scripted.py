@@ -1,0 +1,147 @@
+"""Scripted-logits stub models: never / always / partial acceptance, EOS, budgets, thresholds, bad input."""
+import pytest
+
+from polybasic.errors import ConfigError
+from polybasic.runtime.chain import Chain
+from polybasic.runtime.generate import generate_tokens
+from polybasic.runtime.levels import ModelLevel, NGramLevel
+from tests.helpers import ScriptedLM, one_hot_logits
+
+V, EOS = 16, 1
+
+
+def counting(offset_fn):
+    """Script: next token = last + offset_fn(position) (mod V)."""
+    return lambda ctx: one_hot_logits(V, (ctx[-1] + offset_fn(len(ctx))) % V)
+
+
+def target_model():
+    return ScriptedLM(V, counting(lambda pos: 1))
+
+
+def level(model, name):
+    return ModelLevel(model, name)
+
+
+def run(chain_models, prompt, max_new, k=4, thresholds=None, eos=frozenset({EOS})):
+    levels = [level(m, f"l{i}") if not isinstance(m, NGramLevel) else m for i, m in enumerate(chain_models)]
+    chain = Chain(levels, k=k, thresholds=thresholds, eos=eos)
+    return chain.generate(prompt, max_new)
+
+
+def reference(prompt, max_new, eos=frozenset({EOS})):
+    return list(generate_tokens(target_model(), prompt, max_new, eos=eos))
+
+
+def test_always_accept():
+    out, st = run([target_model(), target_model()], [2], 10, k=4, eos=frozenset())
+    assert out == reference([2], 10, eos=frozenset())
+    link = st.to_dict()["links"][0]
+    assert link["draft_acceptance_rate"] == 1.0
+    assert link["histogram"] == {5: 2}  # two rounds of 4 accepted + bonus
+
+
+def test_never_accept():
+    out, st = run([target_model(), ScriptedLM(V, counting(lambda pos: 2))], [2], 10, eos=frozenset())
+    assert out == reference([2], 10, eos=frozenset())
+    assert st.tau == 1.0 and st.to_dict()["links"][0]["draft_acceptance_rate"] == 0.0
+
+
+def test_partial_accept():
+    drafter = ScriptedLM(V, counting(lambda pos: 1 if pos % 3 else 3))  # wrong every third position
+    out, st = run([target_model(), drafter], [2], 30, eos=frozenset())
+    assert out == reference([2], 30, eos=frozenset())
+    rate = st.to_dict()["links"][0]["draft_acceptance_rate"]
+    assert 0 < rate < 1 and 1 < st.tau < 5
+
+
+def test_eos_inside_a_draft_stops_generation():
+    prompt = [10]  # target counts 11..15, 0, then 1 = EOS
+    out, st = run([target_model(), target_model()], prompt, 40, k=5)
+    assert out == reference(prompt, 40) == [11, 12, 13, 14, 15, 0, 1]
+    assert st.stop_reason == "eos"
+
+
+def test_drafter_eos_rejected_by_target():
+    drafter = ScriptedLM(V, lambda ctx: one_hot_logits(V, EOS))  # always proposes EOS
+    out, _ = run([target_model(), drafter], [3], 6)
+    assert out == reference([3], 6) == [4, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 11])
+def test_max_new_tokens_reached_mid_chunk(max_new):
+    mid = ScriptedLM(V, counting(lambda pos: 1 if pos % 4 else 2))
+    out, st = run([target_model(), mid, target_model()], [2], max_new, k=5, thresholds=[4],
+                  eos=frozenset())
+    assert out == reference([2], max_new, eos=frozenset())
+    assert len(out) == max_new and st.stop_reason == "max_new_tokens"
+
+
+@pytest.mark.parametrize("threshold", [1, 1000])
+def test_thresholds_one_and_larger_than_any_chunk(threshold):
+    mid = ScriptedLM(V, counting(lambda pos: 1 if pos % 5 else 2))
+    out, st = run([target_model(), mid, NGramLevel()], [2, 3, 4, 2, 3], 25, k=3,
+                  thresholds=[threshold], eos=frozenset())
+    assert out == reference([2, 3, 4, 2, 3], 25, eos=frozenset())
+    drafted = st.links[0].drafted  # chunk sizes the middle level handed up
+    if threshold == 1000:  # every chunk fills the remaining budget, less the target's own token
+        assert drafted[0] == 24
+        assert all(d == 25 - done - 1 for d, done in zip(drafted, _cumulative(st.links[0])))
+    else:  # one round of the middle level per chunk: at most k drafts + 1
+        assert max(drafted) <= 4 and len(drafted) > 25 / 4
+
+
+def _cumulative(link):
+    done, out = 0, []
+    for a in link.accepted:
+        out.append(done)
+        done += a + 1
+    return out
+
+
+class FakeTokenizer:
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_bad_chains_are_refused_when_built():
+    t = level(target_model(), "t")
+    with pytest.raises(ConfigError, match="at least 2 levels"):
+        Chain([])
+    with pytest.raises(ConfigError, match="at least 2 levels"):
+        Chain([t])
+    with pytest.raises(ConfigError, match="^k: must be"):
+        Chain([t, NGramLevel()], k=0)
+    with pytest.raises(ConfigError, match=r"thresholds\[0\]: must be"):
+        Chain([t, level(target_model(), "m"), NGramLevel()], thresholds=[0])
+    with pytest.raises(ConfigError, match="one value per middle level"):
+        Chain([t, NGramLevel()], thresholds=[3])
+    with pytest.raises(ConfigError, match="vocabulary size 32 differs"):
+        Chain([t, level(ScriptedLM(32, lambda c: one_hot_logits(32, 0)), "other")])
+    with pytest.raises(ConfigError, match="cannot verify"):
+        Chain([t, NGramLevel(), level(target_model(), "m")])
+    a, b = level(target_model(), "a"), level(target_model(), "b")
+    a.tokenizer, b.tokenizer = FakeTokenizer({"x": 0}), FakeTokenizer({"y": 0})
+    with pytest.raises(ConfigError, match="tokenizer differs"):
+        Chain([a, b])
+    with pytest.raises(ConfigError, match="max_ngram"):
+        NGramLevel(max_ngram=1, min_ngram=2)
+
+
+def test_bad_requests():
+    chain = Chain([level(target_model(), "t"), NGramLevel()])
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        chain.generate([2], 0)
+    with pytest.raises(ConfigError, match="prompt: .* context window"):
+        Chain([ModelLevel(ScriptedLM(V, counting(lambda p: 1), max_seq_len=8), "t"), NGramLevel()]).generate(
+            list(range(8)), 4)
+
+
+def test_ngram_lookup_prefers_longest_latest_match():
+    ng = NGramLevel(max_ngram=3, min_ngram=1)
+    assert ng.lookup([5, 6, 7, 9, 5, 6, 7, 8, 1, 5, 6, 7], 3) == [8, 1, 5]
+    assert ng.lookup([1, 2, 3], 4) == []
+    assert ng.lookup([4, 9, 4], 2) == [9, 4]
