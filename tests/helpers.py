@@ -68,3 +68,25 @@ def one_hot_logits(vocab: int, token: int, peak: float = 20.0) -> torch.Tensor:
     out = torch.zeros(vocab)
     out[token] = peak
     return out
+
+
+def word_tokenizer(vocab: int = 64):
+    """A tiny word-level fast tokenizer with a chat template (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>", "<user>", "<assistant>"] + [f"w{i}" for i in range(vocab - 4)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.chat_template = ("{% for m in messages %}{{ '<' + m['role'] + '> ' + m['content'] + ' ' }}"
+                          "{% endfor %}{% if add_generation_prompt %}{{ '<assistant> ' }}{% endif %}")
+    return fast
+
+
+def tiny_hf_folder(path, vocab: int = 64, **kw):
+    """Write a tiny random LlamaForCausalLM plus tokenizer as a Hugging Face folder."""
+    hf = tiny_hf_llama(vocab=vocab, **kw)
+    hf.save_pretrained(path)
+    word_tokenizer(vocab).save_pretrained(path)
+    return hf

@@ -32,8 +32,7 @@ class Chain:
         levels = list(levels)
         check(len(levels) >= 2, "levels", f"a chain needs at least 2 levels, got {len(levels)}",
               "pass [target, drafter, ...]")
-        check(isinstance(k, int) and k >= 1, "k", f"must be an integer >= 1, got {k!r}",
-              "the bottom level proposes k tokens per round")
+        check_k(k)
         n_mid = len(levels) - 2
         thresholds = [k + 1] * n_mid if thresholds is None else list(thresholds)
         check(len(thresholds) == n_mid, "thresholds",
@@ -121,6 +120,11 @@ class Chain:
             if len(tokens) >= self.thresholds[j]:
                 break
         return tokens, torch.cat(rows)
+
+
+def check_k(k: int) -> None:
+    check(isinstance(k, int) and k >= 1, "k", f"must be an integer >= 1, got {k!r}",
+          "the bottom level proposes k tokens per round")
 
 
 def _check_tokenizers(levels: Sequence[Level]) -> None:

@@ -1,0 +1,36 @@
+"""Chains spelled as text: the levels below the target, '+'-separated.
+
+  ngram | ngram:N        prompt-lookup proposer (longest n-gram N, default 3)
+  SOURCE[@DTYPE]         any model source load_model accepts (short name, .gguf, HF folder, Hub id)
+  target@DTYPE           the target's own weights in another dtype (e.g. a bf16 copy)
+Example: "target@bfloat16+ngram" (three levels with the target on top).
+"""
+from __future__ import annotations
+
+from polybasic.errors import ConfigError
+from polybasic.models.loader import DTYPES, LoadedModel, load_model
+from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
+
+
+def parse_level(item: str, target: LoadedModel, device: str = "cpu") -> Level:
+    item = item.strip()
+    if not item:
+        raise ConfigError("chain: empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
+    if item == "ngram" or item.startswith("ngram:"):
+        n = item.partition(":")[2] or "3"
+        if not n.isdigit():
+            raise ConfigError(f"chain: '{item}' needs an integer n-gram size, e.g. ngram:3")
+        return NGramLevel(max_ngram=int(n), name=item)
+    source, dtype = item, "float32"
+    if "@" in item and item.rsplit("@", 1)[1] in DTYPES:
+        source, dtype = item.rsplit("@", 1)
+    if source == "target":
+        source = target.name
+    lm = load_model(source, dtype, device)
+    return ModelLevel(lm.model, name=item, tokenizer=lm.tokenizer)
+
+
+def parse_chain(spec: str, target: LoadedModel, device: str = "cpu") -> list[Level]:
+    """Target level first, then the levels the spec names."""
+    top = ModelLevel(target.model, name="target", tokenizer=target.tokenizer)
+    return [top] + [parse_level(item, target, device) for item in spec.split("+")]

