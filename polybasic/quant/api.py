@@ -1,0 +1,159 @@
+"""quantize_(model, config) swaps nn.Linear modules in place; save/load quantized checkpoints.
+
+Checkpoint = one safetensors file whose metadata carries the versioned QuantConfig JSON and the
+list of quantized module names (the recipe lives in the checkpoint, never in the file name).
+Tensors that share storage (a tied embedding / LM head) are written once and re-tied on load.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from polybasic.errors import ConfigError, ModelNotFoundError
+from polybasic.quant.config import QuantConfig
+from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
+
+FORMAT = "polybasic.quant"
+LM_HEAD = "output"
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def default_filter(config: QuantConfig) -> FilterFn:
+    """Every nn.Linear, except the LM head `output` unless config.quantize_lm_head."""
+    return lambda mod, fqn: isinstance(mod, nn.Linear) and (fqn != LM_HEAD or config.quantize_lm_head)
+
+
+def _targets(model: nn.Module, keep: FilterFn) -> list[tuple[str, nn.Linear]]:
+    return [(fqn, m) for fqn, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear) and keep(m, fqn)]
+
+
+def quantize_(model: nn.Module, config: QuantConfig, filter_fn: FilterFn | None = None,
+              device: str | torch.device | None = None) -> nn.Module:
+    """Replace the selected nn.Linear modules by quantized ones (round-to-nearest), in place.
+
+    Every layer is checked (group size, kernel fit) before any weight is touched. 'auto' kernels
+    are resolved per layer from its shape, device and weight dtype (the activation dtype).
+    The LM head is replaced as a module only, so a tied embedding keeps its own weight.
+    device: where the kernels will run (default: each weight's device).
+    """
+    plan = {}
+    for fqn, lin in _targets(model, filter_fn or default_filter(config)):
+        dev = torch.device(device) if device is not None else lin.weight.device
+        plan[fqn] = choose_kernel(config, lin.in_features, lin.out_features, dev, fqn, lin.weight.dtype)
+    return _swap(model, config, plan, device)
+
+
+def _swap(model: nn.Module, config: QuantConfig, plan: dict[str, str], device=None) -> nn.Module:
+    """Swap the Linear named by each key of plan for a module of its kernel; a Linear on the
+    meta device becomes an empty module of the right shapes (filled by load_quantized)."""
+    linears = {fqn: model.get_submodule(fqn) for fqn in plan}
+    for fqn, lin in linears.items():  # validate everything first (cheap, on meta)
+        if not isinstance(lin, nn.Linear) or isinstance(lin, QuantLinear):
+            raise ConfigError(f"{fqn}: is a {type(lin).__name__}, not an nn.Linear; build the "
+                              "architecture the checkpoint was saved from")
+        dev = torch.device(device) if device is not None else lin.weight.device
+        why = KERNEL_CLASSES[plan[fqn]].check_shape(lin.in_features, lin.out_features, config, dev, fqn)
+        if why:
+            raise ConfigError(f"{fqn}: kernel '{plan[fqn]}' {why}; use another kernel")
+        KERNEL_CLASSES[plan[fqn]](lin.in_features, lin.out_features, config, device="meta", name=fqn)
+    for fqn, lin in linears.items():
+        cls = KERNEL_CLASSES[plan[fqn]]
+        if lin.weight.is_meta:
+            bias = lin.bias is not None
+            new = cls(lin.in_features, lin.out_features, config, bias,
+                      lin.bias.dtype if bias else torch.float32, "meta", fqn)
+        else:
+            new = cls.from_float(lin, config, fqn)
+        parent, _, attr = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    return model
+
+
+def quantized_modules(model: nn.Module) -> dict[str, str]:
+    """{module name: kernel} of every quantized linear in model."""
+    return {fqn: m.kernel for fqn, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfig) -> Path:
+    """Write model's state dict + config to one safetensors file, atomically (tmp + os.replace)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors, aliases, seen = {}, {}, {}
+    for name, t in model.state_dict().items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().contiguous().cpu()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    meta = {"format": FORMAT, "quant_config": json.dumps(config.to_dict()), "dtype": str(dtype),
+            "modules": json.dumps(quantized_modules(model)), "aliases": json.dumps(aliases)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_quant_metadata(path: str | os.PathLike
+                        ) -> tuple[QuantConfig, dict[str, str], dict[str, str], torch.dtype]:
+    """(config, {module: kernel at save time}, {alias: stored name}, model dtype) from the header."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"path: quantized checkpoint {path} does not exist; run quantize first")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{path}: not a polybasic quantized checkpoint (metadata format="
+                          f"{meta.get('format')!r}); save it with save_quantized")
+    return (QuantConfig.from_dict(json.loads(meta["quant_config"])), json.loads(meta["modules"]),
+            json.loads(meta["aliases"]), getattr(torch, meta.get("dtype", "torch.float32").split(".")[-1]))
+
+
+def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.Module],
+                   device: str | torch.device = "cpu", kernel: str | None = None) -> nn.Module:
+    """Build the float architecture on the meta device, swap in empty quantized modules, then load
+    the checkpoint with assign=True (kernel buffers are rebuilt by a load post-hook).
+
+    kernel: run with another execution kernel than the one recorded (the stored state is
+    kernel-independent), e.g. 'dequant' where int4pack is unavailable.
+    """
+    from safetensors.torch import load_file
+
+    config, modules, aliases, dtype = read_quant_metadata(path)
+    if kernel is not None:
+        config = replace(config, kernel=kernel)  # re-validated by __post_init__
+    with torch.device("meta"):
+        model = base_model_builder()
+    if kernel is None:  # the kernels recorded at save time
+        plan = modules
+    else:
+        plan = {}
+        for fqn in modules:
+            lin = model.get_submodule(fqn)
+            plan[fqn] = choose_kernel(config, lin.in_features, lin.out_features, torch.device(device),
+                                      fqn, dtype)
+    try:
+        _swap(model, config, plan, device)
+    except AttributeError as e:
+        raise ConfigError(f"{path}: {e}; build the architecture the checkpoint was saved from") from None
+    sd = load_file(str(path), device=str(device))
+    for alias, name in aliases.items():
+        sd[alias] = sd[name]
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,255 @@
+"""Quantized linears with real low-bit kernels.
+
+Every module keeps the same portable, kernel-independent persistent state, so one checkpoint runs
+with any kernel (calibrate on one machine, execute with another kernel elsewhere):
+  qweight  [out, in/2] uint8 (two signed 4-bit codes per byte, see primitives.pack_int4) for
+           w_bits=4, or [out, in] int8 for w_bits=8
+  scale    [out, G] fp32      zero [out, G] int8      bias [out] (optional)
+Kernel-specific layouts are non-persistent buffers rebuilt by `prepare()` after construction and
+after every load_state_dict (a post-hook), so meta-device build + load(assign=True) works.
+
+Kernels:
+  Int4PackLinear  int4 weight x float activation (aten._weight_int4pack_mm[_for_cpu]); weight-only:
+                  activations run in their own dtype whatever a_bits says (ARCHITECTURE §8).
+  Int8MMLinear    int8 x int8 -> int32 (torch._int_mm) carrying 4- or 8-bit codes; per-token
+                  dynamic activation quantization; per-channel weights only.
+  DequantLinear   portable fallback: dequantize to the activation dtype, then F.linear (activations
+                  fake-quantized per token when a_bits < 16).
+Notes: on CPU (torch 2.13) torch._int_mm accepts any M (checked M = 1..20), so rows are padded to
+17 only on CUDA. Int4PackLinear keeps the portable codes beside the kernel's packed copy (1 byte
+per weight in total); Int8MMLinear with w_bits=8 shares them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from polybasic.errors import ConfigError
+from polybasic.quant.config import INT4PACK_GROUP_SIZES, QuantConfig
+from polybasic.quant.primitives import (dequantize_weight, fake_quantize_activation, pack_int4,
+                                        quantize_activation, quantize_weight, resolve_group_size,
+                                        unpack_int4)
+
+CUDA_INNER_K_TILES = 8  # gpt-fast / torchao default for the CUDA tinygemm layout
+
+
+class QuantLinear(nn.Module):
+    """Base: portable state, constructors, state round trip. Subclasses set `kernel` and forward."""
+
+    kernel = "base"
+
+    def __init__(self, in_features: int, out_features: int, config: QuantConfig, bias: bool = False,
+                 bias_dtype: torch.dtype = torch.float32, device=None, name: str = "linear") -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.name = in_features, out_features, name
+        self.w_bits, self.a_bits = config.w_bits, config.a_bits
+        self.w_symmetric, self.a_symmetric = config.w_symmetric, config.a_symmetric
+        self.group_size = resolve_group_size(in_features, config.group_size, name)
+        if self.w_bits == 4 and in_features % 2:
+            raise ConfigError(f"{name}: 4-bit weights need an even in_features, got {in_features}; "
+                              "exclude this layer with filter_fn")
+        n_groups = in_features // self.group_size
+        qshape = (out_features, in_features // 2) if self.w_bits == 4 else (out_features, in_features)
+        qdtype = torch.uint8 if self.w_bits == 4 else torch.int8
+        self.register_buffer("qweight", torch.zeros(qshape, dtype=qdtype, device=device))
+        self.register_buffer("scale", torch.ones(out_features, n_groups, device=device))
+        self.register_buffer("zero", torch.zeros(out_features, n_groups, dtype=torch.int8, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device),
+                                 requires_grad=False) if bias else None
+        self.register_load_state_dict_post_hook(lambda mod, _keys: mod.prepare())
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def check_shape(cls, in_features: int, out_features: int, config: QuantConfig,
+                    device: torch.device, name: str) -> str | None:
+        """Why this kernel cannot run this layer (None if it can)."""
+        return None
+
+    @classmethod
+    def from_quantized(cls, q: Tensor, scale: Tensor, zero: Tensor, config: QuantConfig,
+                       bias: Tensor | None = None, name: str = "linear") -> "QuantLinear":
+        """From codes q [out, in] int8, scale [out, G], zero [out, G] (e.g. after calibration)."""
+        out, k = q.shape
+        mod = cls(k, out, config, bias is not None, bias.dtype if bias is not None else torch.float32,
+                  q.device, name)
+        if scale.shape != mod.scale.shape or zero.shape != mod.zero.shape:
+            raise ConfigError(f"{name}: scale/zero shapes {tuple(scale.shape)}/{tuple(zero.shape)} do "
+                              f"not match group_size={config.group_size} (expected "
+                              f"{tuple(mod.scale.shape)}); quantize with the same config")
+        mod.qweight = pack_int4(q) if config.w_bits == 4 else q.to(torch.int8)
+        mod.scale, mod.zero = scale.float().contiguous(), zero.to(torch.int8).contiguous()
+        if bias is not None:
+            mod.bias.data.copy_(bias.detach())
+        mod.prepare()
+        return mod
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, config: QuantConfig, name: str = "linear") -> "QuantLinear":
+        """Round-to-nearest quantization of an nn.Linear's weight."""
+        q, scale, zero = quantize_weight(linear.weight.detach(), config.w_bits, config.group_size,
+                                         config.w_symmetric, name=name)
+        return cls.from_quantized(q, scale, zero, config, linear.bias, name)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def codes(self) -> Tensor:
+        """Signed integer codes [out, in] int8."""
+        return unpack_int4(self.qweight) if self.w_bits == 4 else self.qweight
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight this module represents, [out, in] (the reference for every kernel)."""
+        return dequantize_weight(self.codes(), self.scale, self.zero, dtype)
+
+    def prepare(self) -> None:
+        """Rebuild kernel-specific buffers from the portable state (no-op on the meta device)."""
+
+    def _add_bias(self, y: Tensor) -> Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        g = "ch" if self.group_size == self.in_features else self.group_size
+        return (f"in={self.in_features}, out={self.out_features}, w{self.w_bits}a{self.a_bits}, "
+                f"group={g}, w_sym={self.w_symmetric}, a_sym={self.a_symmetric}, "
+                f"kernel={self.kernel}, bias={self.bias is not None}")
+
+
+class DequantLinear(QuantLinear):
+    kernel = "dequant"
+
+    def forward(self, x: Tensor) -> Tensor:  # x [..., in] -> [..., out]
+        w = self.dequantized_weight(x.dtype)  # [out, in]
+        x = fake_quantize_activation(x, self.a_bits, self.a_symmetric)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class Int4PackLinear(QuantLinear):
+    """tinygemm layout: w = (u - 8) * s + z with u = q + 8 in [0, 15]; so s = scale, z = -zero*scale."""
+
+    kernel = "int4pack"
+
+    @classmethod
+    def check_shape(cls, in_features, out_features, config, device, name):
+        dev = torch.device(device).type
+        if config.w_bits != 4:
+            return f"needs w_bits=4, got {config.w_bits}"
+        if dev not in ("cpu", "cuda", "meta"):
+            return f"runs on cpu or cuda, not {dev}"
+        g = in_features if config.group_size == -1 else config.group_size
+        if g not in INT4PACK_GROUP_SIZES:
+            return f"group size {g} is not one of {INT4PACK_GROUP_SIZES}"
+        if out_features % 16:
+            return f"out_features={out_features} is not a multiple of 16"
+        if dev == "cuda" and (in_features % (CUDA_INNER_K_TILES * 16) or out_features % 8):
+            return f"cuda needs in_features % {CUDA_INNER_K_TILES * 16} == 0"
+        return None
+
+    def __init__(self, in_features, out_features, config, bias=False, bias_dtype=torch.float32,
+                 device=None, name="linear"):
+        super().__init__(in_features, out_features, config, bias, bias_dtype, device, name)
+        why = self.check_shape(in_features, out_features, config, device or "cpu", name)
+        if why:
+            raise ConfigError(f"{name}: kernel 'int4pack' {why}; use kernel: auto (falls back to "
+                              "dequant per layer) or exclude the layer with filter_fn")
+        self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device), persistent=False)
+        self.register_buffer("scales_and_zeros", torch.empty(0, device=device), persistent=False)
+
+    def _scales_and_zeros(self, dtype: torch.dtype) -> Tensor:
+        s = self.scale.float()  # [out, G]
+        z = -self.zero.float() * s
+        return torch.stack((s, z), dim=-1).transpose(0, 1).contiguous().to(dtype)  # [G, out, 2]
+
+    def prepare(self) -> None:
+        if self.qweight.is_meta:
+            return
+        u = (self.codes().to(torch.int32) + 8)  # [out, in] in [0, 15]
+        if self.qweight.device.type == "cuda":  # untested here: no GPU on this machine
+            u8 = (u[:, 0::2] << 4 | u[:, 1::2]).to(torch.uint8)  # [out, in/2], high nibble first
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(u8, CUDA_INNER_K_TILES)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
+        dt = self.scales_and_zeros.dtype if self.scales_and_zeros.is_floating_point() else torch.bfloat16
+        self.scales_and_zeros = self._scales_and_zeros(dt)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [..., in] -> [..., out], computed in x.dtype
+        if self.scales_and_zeros.dtype != x.dtype:  # rebuild once per dtype change, from fp32 scales
+            self.scales_and_zeros = self._scales_and_zeros(x.dtype)
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if x.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
+                                                           self.scales_and_zeros)
+        return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))
+
+
+class Int8MMLinear(QuantLinear):
+    """y = sx * sw * sum_k (qx - zx)(qw - zw), expanded so the int32 GEMM sees raw codes:
+    sum qx qw - zw * rowsum(qx) - zx * colsum(qw) + K zx zw (all int32, exact)."""
+
+    kernel = "int8mm"
+
+    @classmethod
+    def check_shape(cls, in_features, out_features, config, device, name):
+        if config.w_bits > 8 or config.a_bits > 8:
+            return f"needs w_bits and a_bits <= 8, got w{config.w_bits}a{config.a_bits}"
+        if config.group_size != -1 and config.group_size != in_features:
+            return f"needs per-channel weights (group_size -1), got {config.group_size}"
+        if torch.device(device).type == "cuda" and (in_features % 8 or out_features % 8):
+            return "cuda needs in_features and out_features multiples of 8"
+        return None
+
+    def __init__(self, in_features, out_features, config, bias=False, bias_dtype=torch.float32,
+                 device=None, name="linear"):
+        super().__init__(in_features, out_features, config, bias, bias_dtype, device, name)
+        why = self.check_shape(in_features, out_features, config, device or "cpu", name)
+        if why:
+            raise ConfigError(f"{name}: kernel 'int8mm' {why}; use kernel: dequant or auto")
+        self.register_buffer("w_int8", torch.empty(0, dtype=torch.int8, device=device), persistent=False)
+        self.register_buffer("w_colsum", torch.empty(0, dtype=torch.int32, device=device), persistent=False)
+
+    def prepare(self) -> None:
+        if self.qweight.is_meta:
+            return
+        w = self.codes()  # [out, in] int8 (shares qweight's storage for w_bits=8)
+        self.w_int8 = w
+        self.w_colsum = w.sum(1, dtype=torch.int32)  # [out]
+
+    def forward(self, x: Tensor) -> Tensor:  # x [..., in] -> [..., out]
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        qx, sx, zx = quantize_activation(x2, self.a_bits, self.a_symmetric)  # [M,in] [M,1] [M,1]
+        m = qx.shape[0]
+        if x.device.type == "cuda" and m <= 16:  # cuBLASLt int8 GEMM needs M > 16
+            qx = F.pad(qx, (0, 0, 0, 17 - m))
+        acc = torch._int_mm(qx, self.w_int8.t())[:m]  # [M, out] int32
+        zw = self.zero.view(1, -1).to(torch.int32)  # [1, out]
+        if not self.a_symmetric:
+            acc = acc - zx * self.w_colsum.view(1, -1)
+        if not self.w_symmetric:
+            acc = acc - qx[:m].sum(-1, keepdim=True, dtype=torch.int32) * zw + self.in_features * zx * zw
+        y = acc.float() * sx * self.scale.view(1, -1)  # [M, out] fp32
+        return self._add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
+
+
+KERNEL_CLASSES: dict[str, type[QuantLinear]] = {
+    "dequant": DequantLinear, "int4pack": Int4PackLinear, "int8mm": Int8MMLinear}
+
+
+def choose_kernel(config: QuantConfig, in_features: int, out_features: int, device,
+                  name: str = "linear", dtype: torch.dtype = torch.bfloat16) -> str:
+    """Resolve config.kernel for one layer whose activations have `dtype`. 'auto' honours both
+    w_bits and a_bits: int4pack for w4a16 in bf16/fp16 (with fp32 activations the CPU kernel has
+    no fast path: measured ~4x slower than fp32 F.linear), int8mm for per-channel W(4|8)A(4|8),
+    dequant otherwise or when the shape does not fit. An explicit kernel that cannot run the
+    layer raises ConfigError naming it."""
+    if config.kernel != "auto":
+        why = KERNEL_CLASSES[config.kernel].check_shape(in_features, out_features, config, device, name)
+        if why:
+            raise ConfigError(f"{name}: kernel '{config.kernel}' {why}; use kernel: auto (falls back "
+                              "to dequant per layer) or exclude the layer with filter_fn")
+        return config.kernel
+    w4a16 = config.a_bits == 16 and config.w_bits == 4 and dtype != torch.float32
+    if w4a16 and not Int4PackLinear.check_shape(in_features, out_features, config, device, name):
+        return "int4pack"
+    if config.a_bits <= 8 and not Int8MMLinear.check_shape(in_features, out_features, config, device, name):
+        return "int8mm"
+    return "dequant"
