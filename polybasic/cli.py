@@ -87,12 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    try:
-        from polybasic.bench.cli import add_parser as add_bench
-    except ImportError:
-        add_bench = None
-    if add_bench is not None:
-        add_bench(sub)
+    from polybasic.bench.cli import add_parser as add_bench
+    from polybasic.pipelines.cli import add_parsers as add_stages
+
+    add_bench(sub)
+    add_stages(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Imports every stage module so that each registers its command in pipelines.cli.STAGES."""
