@@ -1,0 +1,159 @@
+"""Decoding methods under benchmark: a registry of name -> runner factory.
+
+A runner takes prompt ids and a seed and returns the new token ids with the wall time measured the
+same way for every method: from prompt ids in hand to the last new token (prefill included). Add a
+method with `@register("name")` on a factory `(ctx, arg) -> Runner`; a name may carry an argument
+after a colon (`chain:target+quant+head` calls the `chain` factory with arg "target+quant+head").
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from polybasic.errors import ConfigError
+from polybasic.runtime.sampling import SamplingConfig, make_generator
+
+
+@dataclass
+class Output:
+    tokens: list[int]  # new tokens only
+    wall_s: float
+    tau: float | None = None  # new tokens per target forward (chain methods)
+
+
+Runner = Callable[[list[int], int], Output]  # (prompt_ids, seed) -> Output
+
+
+@dataclass
+class BenchContext:
+    """What runners share: the loaded target (lean), its tokenizer, and the request settings."""
+    model: object  # polybasic.models.Transformer
+    tokenizer: object
+    eos: set[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    draft_tokens: int = 8  # k of the n-gram / prompt-lookup drafters
+    hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
+    _hf: object = field(default=None, repr=False)
+
+    def hf_model(self):
+        if self._hf is None:
+            if self.hf_loader is None:
+                raise ConfigError("methods: transformers baselines need a model source; pass --model")
+            self._hf = self.hf_loader()
+        return self._hf
+
+
+METHODS: dict[str, Callable[[BenchContext, str | None], Runner]] = {}
+TAKES_ARG: set[str] = set()  # methods that accept `name:arg`
+
+
+def register(name: str, takes_arg: bool = False):
+    def deco(factory):
+        METHODS[name] = factory
+        if takes_arg:
+            TAKES_ARG.add(name)
+        return factory
+    return deco
+
+
+def parse_methods(spec: str) -> list[str]:
+    """'vanilla,hf,pld' -> names, checked against the registry; vanilla always first (the reference)."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n.split(":", 1)[0] not in METHODS]
+    if unknown:
+        raise ConfigError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"methods: '{spec}' names a method twice; list each once")
+    for n in names:
+        base, colon, arg = n.partition(":")
+        if colon and (base not in TAKES_ARG or not arg):
+            raise ConfigError(f"methods: '{n}': " + (f"empty argument after '{base}:'" if base in TAKES_ARG
+                                                    else f"'{base}' takes no ':' argument"))
+    return ["vanilla"] + [n for n in names if n != "vanilla"]
+
+
+def make_runner(name: str, ctx: BenchContext) -> Runner:
+    base, _, arg = name.partition(":")
+    return METHODS[base](ctx, arg or None)
+
+
+@register("vanilla")
+def _vanilla(ctx: BenchContext, arg: str | None) -> Runner:
+    """Our lean decoder, one token per forward."""
+    from polybasic.runtime.generate import generate_tokens
+
+    def run(prompt_ids: list[int], seed: int) -> Output:
+        gen = make_generator(seed)
+        t0 = time.perf_counter()
+        tokens = list(generate_tokens(ctx.model, prompt_ids, ctx.max_new_tokens, ctx.sampling,
+                                      ctx.eos, gen))
+        return Output(tokens, time.perf_counter() - t0)
+    return run
+
+
+def _hf_runner(ctx: BenchContext, **extra) -> Runner:
+    hf = ctx.hf_model()
+    s = ctx.sampling
+    kw = dict(max_new_tokens=ctx.max_new_tokens, do_sample=not s.greedy, eos_token_id=sorted(ctx.eos),
+              pad_token_id=min(ctx.eos) if ctx.eos else None, **extra)
+    if s.greedy:  # neutralise sampling defaults a generation_config may carry
+        kw.update(temperature=None, top_k=None, top_p=None)
+    else:
+        kw.update(temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p)
+
+    @torch.inference_mode()
+    def run(prompt_ids: list[int], seed: int) -> Output:
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        t0 = time.perf_counter()
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=hf.device)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        wall = time.perf_counter() - t0
+        return Output(_cut_at_eos(out[0, len(prompt_ids):].tolist(), ctx.eos), wall)
+    return run
+
+
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """Keep up to the first EOS (inclusive), as our decoders do; assisted generation may overshoot."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
+@register("hf")
+def _hf(ctx: BenchContext, arg: str | None) -> Runner:
+    """transformers `generate` on the same checkpoint."""
+    return _hf_runner(ctx)
+
+
+@register("hf-pld")
+def _hf_pld(ctx: BenchContext, arg: str | None) -> Runner:
+    """transformers prompt-lookup decoding (n-gram drafts from the prompt)."""
+    return _hf_runner(ctx, prompt_lookup_num_tokens=ctx.draft_tokens, max_matching_ngram_size=3)
+
+
+def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list]) -> Runner:
+    from polybasic.runtime.chain import Chain
+
+    def run(prompt_ids: list[int], seed: int) -> Output:
+        gen = make_generator(seed)
+        t0 = time.perf_counter()
+        chain = Chain(make_levels(), k=ctx.draft_tokens, eos=ctx.eos)
+        tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
+                                       generator=gen)
+        wall = time.perf_counter() - t0
+        return Output(list(tokens), wall, float(stats.tau) if stats.tau is not None else None)
+    return run
+
+
+@register("pld")
+def _pld(ctx: BenchContext, arg: str | None) -> Runner:
+    """Our chain with two levels: the target verifies drafts from an n-gram prompt-lookup level."""
+    from polybasic.runtime.levels import ModelLevel, NGramLevel
+
+    return _chain_runner(ctx, lambda: [ModelLevel(ctx.model, name="target"),
+                                       NGramLevel(max_ngram=3, min_ngram=1, name="ngram")])

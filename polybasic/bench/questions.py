@@ -1,0 +1,81 @@
+"""Spec-Bench questions: locate, load, validate, and pick a deterministic subset."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from polybasic.errors import ConfigError
+
+DEFAULT_QUESTIONS = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"
+SCHEMA = '{"question_id", "category", "turns": [...]}'
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str
+    prompt: str  # first turn only
+
+
+def default_questions_path() -> Path:
+    """The Spec-Bench file `../shared/data/...` relative to the current dir, else to the repo root."""
+    repo_root = Path(__file__).resolve().parents[2]  # polybasic/bench/questions.py -> repo root
+    candidates = [Path.cwd() / DEFAULT_QUESTIONS, repo_root / DEFAULT_QUESTIONS]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise ConfigError(f"questions: the default Spec-Bench file was not found (looked at "
+                      f"{', '.join(str(c) for c in candidates)}); pass --questions FILE, a JSON-lines "
+                      f"file with one {SCHEMA} object per line")
+
+
+def load_questions(path: str | Path | None = None) -> list[Question]:
+    """Read a Spec-Bench style JSON-lines file; every error names the line and the expected schema."""
+    p = Path(path).expanduser() if path is not None else default_questions_path()
+    if not p.is_file():
+        raise ConfigError(f"questions: file {p} does not exist; pass a JSON-lines file with one "
+                          f"{SCHEMA} object per line")
+    out: list[Question] = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"questions: {p} line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where} is not valid JSON ({e.msg}); expected one {SCHEMA} object "
+                              "per line") from None
+        if not isinstance(obj, dict) or not {"question_id", "category", "turns"} <= obj.keys():
+            raise ConfigError(f"{where} lacks a field; expected {SCHEMA}")
+        turns, cat = obj["turns"], obj["category"]
+        if not (isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip()):
+            raise ConfigError(f"{where}: 'turns' must be a non-empty list of strings; expected {SCHEMA}")
+        if not (isinstance(cat, str) and cat):
+            raise ConfigError(f"{where}: 'category' must be a non-empty string; expected {SCHEMA}")
+        out.append(Question(obj["question_id"], cat, turns[0]))
+    if not out:
+        raise ConfigError(f"questions: {p} holds no questions; expected one {SCHEMA} object per line")
+    return out
+
+
+def select(questions: list[Question], per_category: int | None = None,
+           categories: list[str] | None = None) -> list[Question]:
+    """The first `per_category` questions of each category (file order), categories in file order.
+
+    Deterministic: the same file and arguments always give the same prompts in the same order.
+    """
+    present = list(dict.fromkeys(q.category for q in questions))
+    if categories:
+        unknown = [c for c in categories if c not in present]
+        if unknown:
+            raise ConfigError(f"categories: unknown {', '.join(unknown)}; the file has "
+                              f"{', '.join(present)}")
+        present = [c for c in present if c in categories]
+    if per_category is not None and per_category <= 0:
+        raise ConfigError(f"per_category: must be a positive integer, got {per_category}; "
+                          "omit it to use every question")
+    picked: list[Question] = []
+    for cat in present:
+        picked.extend([q for q in questions if q.category == cat][:per_category])
+    return picked

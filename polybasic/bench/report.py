@@ -1,0 +1,106 @@
+"""Benchmark outputs: machine description, JSON document, markdown report, stdout table."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(dtype: str, command: str) -> dict:
+    import transformers
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "dtype": dtype, "command": command}
+
+
+def atomic_write(path: str | Path, text: str) -> None:
+    """Write via a temp file in the same folder and os.replace, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _rows(doc: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["method", "tokens/s", "speedup", "median", "tau", "identical", "predicted"]
+    rows = [[m, _f(v["tokens_per_s"], ".2f"), _f(v["speedup"], ".2f") + "x",
+             _f(v.get("median_speedup"), ".2f") + "x", _f(v["tau"], ".2f"),
+             v["identical_to_vanilla"] or "n/a", _f(v["predicted_speedup"], ".2f")]
+            for m, v in doc["methods"].items()]
+    return head, rows
+
+
+def _cat_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
+    methods = list(doc["methods"])
+    cats = list(next(iter(doc["methods"].values()))["per_category"]) if methods else []
+    head = ["category", "n"] + [f"{m} speedup" for m in methods]
+    rows = []
+    for c in cats:
+        per = [doc["methods"][m]["per_category"][c] for m in methods]
+        rows.append([c, str(per[0]["prompts"])] + [_f(p["speedup"], ".2f") + "x" for p in per])
+    return head, rows
+
+
+def _plain(head: list[str], rows: list[list[str]]) -> str:
+    w = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = lambda r: "  ".join(x.ljust(n) if i == 0 else x.rjust(n) for i, (x, n) in enumerate(zip(r, w)))
+    return "\n".join([line(head), "  ".join("-" * n for n in w)] + [line(r) for r in rows])
+
+
+def _md(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def text_table(doc: dict) -> str:
+    return _plain(*_rows(doc)) + "\n\n" + _plain(*_cat_rows(doc))
+
+
+def markdown(doc: dict) -> str:
+    m, c = doc["machine"], doc.get("config", {})
+    parts = [
+        "# polybasic bench (Spec-Bench)", "",
+        f"Command: `{m['command']}`", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, "
+        f"transformers {m['transformers']}, dtype {m['dtype']}.", "",
+        f"Model {c.get('model')}, {c.get('prompts')} prompts, max {c.get('max_new_tokens')} new tokens, "
+        f"temperature {c.get('temperature')}, seed {c.get('seed')}, warm-up {c.get('warmup')}.", "",
+        "tokens/s = total new tokens / total wall time (prefill included); speedup against vanilla "
+        "(our decoder) on the same prompts; median = median over prompts of the per-prompt speedup "
+        "(robust to machine noise); tau = new tokens per target forward; identical = prompts "
+        "whose tokens equal vanilla's (greedy only).", "",
+        _md(*_rows(doc)), "", "## Per category", "", _md(*_cat_rows(doc)), "",
+    ]
+    return "\n".join(parts)
+
+
+def write_outputs(doc: dict, json_path: str | Path | None, report_dir: str | Path | None) -> None:
+    text = json.dumps(doc, indent=2) + "\n"
+    if json_path:
+        atomic_write(json_path, text)
+    if report_dir:
+        atomic_write(Path(report_dir) / "bench.json", text)
+        atomic_write(Path(report_dir) / "report.md", markdown(doc))

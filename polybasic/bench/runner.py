@@ -1,0 +1,110 @@
+"""Run every method on the same prompts (interleaved, rotated order) and aggregate Spec-Bench style.
+
+Aggregates follow Spec-Bench: tokens/s = total new tokens / total wall time over the prompts of a
+group; speedup = a method's tokens/s / vanilla's tokens/s on the same prompts; tau = total new
+tokens / total target forwards (chain methods only). median_speedup, the median over prompts of
+the per-prompt speedup, is added because a shared machine's noise can swamp the totals.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from polybasic.bench.methods import Output, Runner
+
+REFERENCE = "vanilla"
+
+
+@dataclass
+class Record:
+    method: str
+    question_id: int | str
+    category: str
+    prompt_tokens: int
+    new_tokens: int
+    wall_s: float
+    tau: float | None
+    tokens: list[int]
+
+
+def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, list[int]]],
+            seed: int = 0, warmup: int = 1, progress: bool = True) -> list[Record]:
+    """prompts: (question_id, category, prompt_ids). Method order rotates by one per prompt.
+
+    Warm-up runs each method untimed on the first `warmup` prompts (cycled if fewer prompts).
+    """
+    from tqdm.auto import tqdm
+
+    names = list(runners)
+    total = (warmup + len(prompts)) * len(names)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
+    try:
+        for w in range(warmup):
+            for name in names:
+                bar.set_postfix_str(f"warm-up {name}")
+                runners[name](prompts[w % len(prompts)][2], seed)
+                bar.update()
+        records: list[Record] = []
+        for i, (qid, cat, ids) in enumerate(prompts):
+            r = i % len(names)
+            for name in names[r:] + names[:r]:
+                bar.set_postfix_str(f"{cat} {name}")
+                out: Output = runners[name](ids, seed + i)
+                records.append(Record(name, qid, cat, len(ids), len(out.tokens), out.wall_s, out.tau,
+                                      list(out.tokens)))
+                bar.update()
+    finally:
+        bar.close()
+    return records
+
+
+def _group(records: list[Record], reference: dict, greedy: bool) -> dict:
+    tokens = sum(r.new_tokens for r in records)
+    wall = sum(r.wall_s for r in records)
+    tps = tokens / wall if wall > 0 else 0.0
+    taus = [r for r in records if r.tau]
+    # target forwards per prompt = new tokens / tau; tau overall = tokens / forwards
+    tau = (sum(r.new_tokens for r in taus) / sum(r.new_tokens / r.tau for r in taus)
+           if taus and len(taus) == len(records) else None)
+    same = sum(r.tokens == reference[(r.question_id, r.category)].tokens for r in records)
+    return {"tokens_per_s": tps, "tau": tau,
+            "identical_to_vanilla": f"{same}/{len(records)}" if greedy else None,
+            "new_tokens": tokens, "wall_s": wall, "prompts": len(records)}
+
+
+def summarize(records: list[Record], greedy: bool) -> dict[str, dict]:
+    """{method: {tokens_per_s, speedup, tau, identical_to_vanilla, predicted_speedup, per_category}}."""
+    ref = {(r.question_id, r.category): r for r in records if r.method == REFERENCE}
+    methods = list(dict.fromkeys(r.method for r in records))
+    cats = list(dict.fromkeys(r.category for r in records))
+    out: dict[str, dict] = {}
+    base = _group([r for r in records if r.method == REFERENCE], ref, greedy)
+    base_cat = {c: _group([r for r in records if r.method == REFERENCE and r.category == c], ref, greedy)
+                for c in cats}
+    for m in methods:
+        mine = [r for r in records if r.method == m]
+        g = _group(mine, ref, greedy)
+        g["speedup"] = _ratio(g["tokens_per_s"], base["tokens_per_s"])
+        g["median_speedup"] = _median_speedup(mine, ref)
+        g["predicted_speedup"] = None
+        g["per_category"] = {}
+        for c in cats:
+            gc = _group([r for r in mine if r.category == c], ref, greedy)
+            gc["speedup"] = _ratio(gc["tokens_per_s"], base_cat[c]["tokens_per_s"])
+            g["per_category"][c] = gc
+        out[m] = g
+    return out
+
+
+def _median_speedup(records: list[Record], ref: dict) -> float | None:
+    ratios = []
+    for r in records:
+        v = ref[(r.question_id, r.category)]
+        if r.wall_s > 0 and v.wall_s > 0 and v.new_tokens > 0:
+            ratios.append((r.new_tokens / r.wall_s) / (v.new_tokens / v.wall_s))
+    return statistics.median(ratios) if ratios else None
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None

@@ -1,0 +1,78 @@
+"""`polybasic bench` end to end on a tiny random model folder, and its input errors."""
+import json
+
+import pytest
+
+from polybasic.bench.methods import BenchContext, make_runner, parse_methods
+from polybasic.cli import main
+from polybasic.errors import ConfigError
+from tests.helpers import lean_from_hf, tiny_hf_llama
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--bundle", "b"], "bundles arrive with a later version"),
+    (["--methods", "vanilla,nope"], "methods: unknown nope"),
+    (["--methods", "hf,hf"], "names a method twice"),
+    (["--methods", "vanilla:x"], "takes no ':' argument"),
+    (["--max-new-tokens", "0"], "max_new_tokens: must be >= 1"),
+    (["--temperature", "-1"], "temperature"),
+    (["--per-category", "0"], "per_category"),
+    (["--categories", "nope"], "categories: unknown nope"),
+])
+def test_bad_input_fails_before_loading(questions_file, capsys, argv, words):
+    rc = main(["bench", "--model", "/nonexistent", "--questions", str(questions_file), *argv])
+    assert rc == 2 and words in capsys.readouterr().err
+
+
+def test_missing_questions_names_schema(tmp_path, capsys):
+    assert main(["bench", "--questions", str(tmp_path / "no.jsonl")]) == 2
+    assert '{"question_id", "category", "turns": [...]}' in capsys.readouterr().err
+
+
+def test_parse_methods_puts_vanilla_first():
+    assert parse_methods("pld,hf") == ["vanilla", "pld", "hf"]
+    assert parse_methods("hf, vanilla") == ["vanilla", "hf"]
+
+
+def test_runners_agree_with_vanilla_at_greedy():
+    hf = tiny_hf_llama(seed=0)
+    ctx = BenchContext(lean_from_hf(hf), None, {1}, 12, hf_loader=lambda: hf, draft_tokens=4)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    ref = make_runner("vanilla", ctx)(prompt, 0)
+    assert 0 < len(ref.tokens) <= 12 and ref.wall_s > 0 and ref.tau is None
+    for name in ("hf", "hf-pld", "pld"):
+        out = make_runner(name, ctx)(prompt, 0)
+        assert out.tokens == ref.tokens, name
+    assert make_runner("pld", ctx)(prompt, 0).tau >= 1.0
+
+
+def test_end_to_end_on_tiny_model(tiny_model_dir, questions_file, tmp_path, capsys):
+    out, rep = tmp_path / "b.json", tmp_path / "rep"
+    rc = main(["bench", "--model", str(tiny_model_dir), "--questions", str(questions_file),
+               "--per-category", "1", "--categories", "writing,qa", "--max-new-tokens", "8",
+               "--methods", "vanilla,hf,hf-pld,pld", "--json", str(out), "--report", str(rep),
+               "--no-progress", "--warmup", "1"])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert list(d["methods"]) == ["vanilla", "hf", "hf-pld", "pld"]
+    assert d["methods"]["vanilla"]["speedup"] == pytest.approx(1.0)
+    assert d["methods"]["pld"]["tau"] >= 1.0 and d["methods"]["hf"]["tau"] is None
+    for v in d["methods"].values():
+        assert v["identical_to_vanilla"] == "2/2"
+        assert set(v["per_category"]) == {"writing", "qa"}
+    assert len(d["records"]) == 8 and all(r["new_tokens"] > 0 for r in d["records"])
+    assert d["machine"]["command"].startswith("polybasic bench") and d["config"]["prompts"] == 2
+    assert "vanilla" in capsys.readouterr().out
+    assert "--max-new-tokens 8" in (rep / "report.md").read_text()
+
+
+def test_sampling_run_reports_no_identity(tiny_model_dir, questions_file, tmp_path):
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--model", str(tiny_model_dir), "--questions", str(questions_file),
+               "--per-category", "1", "--max-new-tokens", "6", "--methods", "hf,hf-pld,pld",
+               "--temperature", "0.8", "--top-p", "0.9", "--json", str(out), "--no-progress",
+               "--warmup", "0"])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert all(v["identical_to_vanilla"] is None for v in d["methods"].values())
+    assert len(d["records"]) == 12

@@ -1,0 +1,50 @@
+"""Outputs: atomic writes, JSON document schema, markdown and stdout tables."""
+import json
+import os
+
+from polybasic.bench.cli import build_document
+from polybasic.bench.report import atomic_write, machine_info, markdown, text_table, write_outputs
+from polybasic.bench.runner import Record
+
+
+def doc():
+    records = [Record("vanilla", 1, "qa", 5, 4, 1.0, None, [1, 2, 3, 4]),
+               Record("pld", 1, "qa", 5, 4, 0.5, 2.0, [1, 2, 3, 4])]
+    return build_document(records, True, machine_info("float32", "polybasic bench --x 1"), {"model": "m"})
+
+
+def test_document_schema():
+    d = doc()
+    assert set(d["machine"]) >= {"cpu", "cores", "torch", "threads", "dtype", "command"}
+    for m in ("vanilla", "pld"):
+        v = d["methods"][m]
+        assert set(v) >= {"tokens_per_s", "speedup", "tau", "identical_to_vanilla", "predicted_speedup",
+                          "per_category"}
+        assert isinstance(v["tokens_per_s"], float) and isinstance(v["speedup"], float)
+        assert set(v["per_category"]) == {"qa"}
+    assert d["methods"]["pld"]["speedup"] == 2.0 and d["methods"]["pld"]["tau"] == 2.0
+    assert "tokens" not in d["records"][0]
+    json.dumps(d)
+
+
+def test_tables_show_methods_and_command():
+    d = doc()
+    for text in (text_table(d), markdown(d)):
+        assert "vanilla" in text and "pld" in text and "2.00x" in text and "qa" in text
+    assert "`polybasic bench --x 1`" in markdown(d)
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
+    p = tmp_path / "sub" / "out.json"
+    atomic_write(p, "one")
+    atomic_write(p, "two")
+    assert p.read_text() == "two" and os.listdir(p.parent) == ["out.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert p.stat().st_mode & 0o777 == 0o666 & ~umask  # like any file the user creates
+
+
+def test_write_outputs(tmp_path):
+    write_outputs(doc(), tmp_path / "b.json", tmp_path / "rep")
+    assert json.loads((tmp_path / "b.json").read_text())["methods"]["pld"]["identical_to_vanilla"] == "1/1"
+    assert sorted(os.listdir(tmp_path / "rep")) == ["bench.json", "report.md"]

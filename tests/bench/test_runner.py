@@ -1,0 +1,56 @@
+"""Interleaving and Spec-Bench aggregation math (fake runners, no model)."""
+import pytest
+
+from polybasic.bench.methods import Output
+from polybasic.bench.runner import Record, run_all, summarize
+
+
+def fake_runners(calls):
+    def make(name, n_tokens, wall, tau=None):
+        def run(ids, seed):
+            calls.append((name, tuple(ids), seed))
+            return Output(list(range(n_tokens)), wall, tau)
+        return run
+    return {"vanilla": make("vanilla", 4, 2.0), "a": make("a", 4, 1.0, 2.0), "b": make("b", 3, 1.0)}
+
+
+def test_rotation_warmup_and_seeds():
+    calls = []
+    prompts = [(i, "c", [i]) for i in range(4)]
+    records = run_all(fake_runners(calls), prompts, seed=10, warmup=2, progress=False)
+    warm, timed = calls[:6], calls[6:]
+    assert [c[0] for c in warm] == ["vanilla", "a", "b"] * 2
+    assert [c[0] for c in timed] == ["vanilla", "a", "b", "a", "b", "vanilla", "b", "vanilla", "a",
+                                     "vanilla", "a", "b"]
+    assert all(c[2] == 10 + c[1][0] for c in timed)  # same seed for every method on a prompt
+    assert len(records) == 12 and {r.method for r in records} == {"vanilla", "a", "b"}
+
+
+def rec(method, qid, cat, n, wall, tau=None, tokens=None):
+    return Record(method, qid, cat, 5, n, wall, tau, tokens if tokens is not None else list(range(n)))
+
+
+def test_summary_math():
+    records = [
+        rec("vanilla", 1, "x", 10, 2.0), rec("vanilla", 2, "y", 30, 2.0),
+        rec("m", 1, "x", 10, 1.0, tau=2.0), rec("m", 2, "y", 30, 3.0, tau=3.0, tokens=[9] * 30),
+    ]
+    s = summarize(records, greedy=True)
+    assert s["vanilla"]["tokens_per_s"] == pytest.approx(10.0)  # 40 tokens / 4 s, not mean of rates
+    assert s["m"]["tokens_per_s"] == pytest.approx(10.0)
+    assert s["m"]["speedup"] == pytest.approx(1.0)
+    assert s["m"]["tau"] == pytest.approx(40 / (5 + 10))  # tokens / target forwards
+    assert s["vanilla"]["tau"] is None and s["vanilla"]["identical_to_vanilla"] == "2/2"
+    assert s["m"]["identical_to_vanilla"] == "1/2"
+    assert s["m"]["predicted_speedup"] is None
+    assert s["m"]["median_speedup"] == pytest.approx((2.0 + 10 / 15) / 2)
+    x, y = s["m"]["per_category"]["x"], s["m"]["per_category"]["y"]
+    assert x["speedup"] == pytest.approx(2.0) and y["speedup"] == pytest.approx((30 / 3) / (30 / 2))
+    assert x["identical_to_vanilla"] == "1/1" and y["identical_to_vanilla"] == "0/1"
+    assert x["tau"] == pytest.approx(2.0) and x["prompts"] == 1
+
+
+def test_sampling_has_no_identity_count():
+    s = summarize([rec("vanilla", 1, "x", 3, 1.0), rec("m", 1, "x", 3, 1.0)], greedy=False)
+    assert s["m"]["identical_to_vanilla"] is None
+    assert s["m"]["per_category"]["x"]["identical_to_vanilla"] is None
