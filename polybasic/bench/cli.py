@@ -90,7 +90,8 @@ def run_bench_command(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     lm = load_model(a.model, a.dtype)
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
-                       a.draft_tokens, hf_loader=lambda: load_hf_model(a.model, a.dtype))
+                       a.draft_tokens, source=a.model,
+                       hf_loader=lambda: load_hf_model(a.model, a.dtype))
     prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
     runners = {m: make_runner(m, ctx) for m in methods}
     records = run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress)

@@ -36,6 +36,7 @@ class BenchContext:
     max_new_tokens: int
     sampling: SamplingConfig = SamplingConfig()
     draft_tokens: int = 8  # k of the n-gram / prompt-lookup drafters
+    source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
     _hf: object = field(default=None, repr=False)
 
@@ -136,13 +137,14 @@ def _hf_pld(ctx: BenchContext, arg: str | None) -> Runner:
     return _hf_runner(ctx, prompt_lookup_num_tokens=ctx.draft_tokens, max_matching_ngram_size=3)
 
 
-def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list]) -> Runner:
+def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list],
+                  thresholds: list[int] | None = None) -> Runner:
     from polybasic.runtime.chain import Chain
 
     def run(prompt_ids: list[int], seed: int) -> Output:
         gen = make_generator(seed)
         t0 = time.perf_counter()
-        chain = Chain(make_levels(), k=ctx.draft_tokens, eos=ctx.eos)
+        chain = Chain(make_levels(), k=ctx.draft_tokens, thresholds=thresholds, eos=ctx.eos)
         tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
                                        generator=gen)
         wall = time.perf_counter() - t0
@@ -157,3 +159,15 @@ def _pld(ctx: BenchContext, arg: str | None) -> Runner:
 
     return _chain_runner(ctx, lambda: [ModelLevel(ctx.model, name="target"),
                                        NGramLevel(max_ngram=3, min_ngram=1, name="ngram")])
+
+
+@register("chain", takes_arg=True)
+def _chain(ctx: BenchContext, arg: str | None) -> Runner:
+    """A chain spelled out below the target, e.g. chain:target+target@bfloat16+ngram
+    (see polybasic.runtime.spec). Lower levels are loaded once and reused for every prompt."""
+    from polybasic.models.loader import LoadedModel
+    from polybasic.runtime.spec import parse_chain
+
+    target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
+    levels = parse_chain(arg, target)
+    return _chain_runner(ctx, lambda: levels)

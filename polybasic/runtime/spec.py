@@ -12,7 +12,7 @@ from polybasic.models.loader import DTYPES, LoadedModel, load_model
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 
 
-def parse_level(item: str, target: LoadedModel, device: str = "cpu") -> Level:
+def parse_level(item: str, target_source: str, device: str = "cpu") -> Level:
     item = item.strip()
     if not item:
         raise ConfigError("chain: empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
@@ -25,12 +25,17 @@ def parse_level(item: str, target: LoadedModel, device: str = "cpu") -> Level:
     if "@" in item and item.rsplit("@", 1)[1] in DTYPES:
         source, dtype = item.rsplit("@", 1)
     if source == "target":
-        source = target.name
+        source = target_source
     lm = load_model(source, dtype, device)
     return ModelLevel(lm.model, name=item, tokenizer=lm.tokenizer)
 
 
 def parse_chain(spec: str, target: LoadedModel, device: str = "cpu") -> list[Level]:
-    """Target level first, then the levels the spec names."""
+    """Target level first, then the levels the spec names. A spec may start with 'target+'."""
+    items = spec.split("+")
+    if items[0] == "target":
+        items = items[1:]
+    if not items:
+        raise ConfigError(f"chain: '{spec}' names no level below the target; e.g. 'target@bf16+ngram'")
     top = ModelLevel(target.model, name="target", tokenizer=target.tokenizer)
-    return [top] + [parse_level(item, target, device) for item in spec.split("+")]
+    return [top] + [parse_level(item, target.name, device) for item in items]

@@ -50,17 +50,17 @@ def test_end_to_end_on_tiny_model(tiny_model_dir, questions_file, tmp_path, caps
     out, rep = tmp_path / "b.json", tmp_path / "rep"
     rc = main(["bench", "--model", str(tiny_model_dir), "--questions", str(questions_file),
                "--per-category", "1", "--categories", "writing,qa", "--max-new-tokens", "8",
-               "--methods", "vanilla,hf,hf-pld,pld", "--json", str(out), "--report", str(rep),
-               "--no-progress", "--warmup", "1"])
+               "--methods", "vanilla,hf,hf-pld,pld,chain:target+target@bfloat16+ngram", "--json", str(out),
+               "--report", str(rep), "--no-progress", "--warmup", "1"])
     assert rc == 0
     d = json.loads(out.read_text())
-    assert list(d["methods"]) == ["vanilla", "hf", "hf-pld", "pld"]
+    assert list(d["methods"]) == ["vanilla", "hf", "hf-pld", "pld", "chain:target+target@bfloat16+ngram"]
     assert d["methods"]["vanilla"]["speedup"] == pytest.approx(1.0)
     assert d["methods"]["pld"]["tau"] >= 1.0 and d["methods"]["hf"]["tau"] is None
     for v in d["methods"].values():
         assert v["identical_to_vanilla"] == "2/2"
         assert set(v["per_category"]) == {"writing", "qa"}
-    assert len(d["records"]) == 8 and all(r["new_tokens"] > 0 for r in d["records"])
+    assert len(d["records"]) == 10 and all(r["new_tokens"] > 0 for r in d["records"])
     assert d["machine"]["command"].startswith("polybasic bench") and d["config"]["prompts"] == 2
     assert "vanilla" in capsys.readouterr().out
     assert "--max-new-tokens 8" in (rep / "report.md").read_text()
