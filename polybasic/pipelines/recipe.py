@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from polybasic.errors import ConfigError
+from polybasic.quant.calibrate import CalibrationConfig
 
 RECIPE_VERSION = 1
 
@@ -38,6 +39,8 @@ def from_dict(cls, data, path: str = ""):
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{where}: {e}") from None
+    except ConfigError as e:  # a __post_init__ check: prefix the dotted path of the section
         raise ConfigError(f"{where}: {e}") from None
 
 
@@ -111,3 +114,63 @@ class RecipeHeader:
     version: int = RECIPE_VERSION
     out_dir: str = "runs/recipe"
     model: ModelSection = field(default_factory=ModelSection)
+
+
+DEFAULT_CALIB_DATA = "../shared/data/alpaca_1000/alpaca_data_cleaned_1000.json"
+
+
+
+
+@dataclass
+class QuantizeSection:
+    """The `quantize` stage: calibrate (calib), evaluate a grid of schemes x methods, save one model.
+
+    The saved model is calib.method at calib's bits, executed with `kernel` in `exec_dtype`.
+    data: JSON list or JSONL of {instruction, input, output} (or {text}); the last `holdout`
+    records are never used for calibration and are the evaluation text.
+    """
+
+    calib: CalibrationConfig = field(default_factory=CalibrationConfig)
+    data: str = DEFAULT_CALIB_DATA
+    holdout: int = 100
+    eval_seq_len: int = 256
+    eval_windows: int = 48  # at most this many held-out windows of eval_seq_len tokens
+    schemes: list[str] = field(default_factory=lambda: ["w4a4", "w4a8", "w4a16"])
+    methods: list[str] = field(default_factory=lambda: ["rtn", "omniquant", "affinequant"])
+    kernel: str = "int4pack"
+    exec_dtype: str = "bfloat16"
+    latency_tokens: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    latency_context: int = 128
+    latency_reps: int = 15
+
+    def __post_init__(self) -> None:
+        from polybasic.errors import check
+        from polybasic.models.loader import parse_dtype
+        from polybasic.quant.config import METHODS
+        from polybasic.quant.calibrate import parse_scheme
+
+        f = "quantize."
+        for i, s in enumerate(self.schemes):
+            parse_scheme(s, self.calib.group_size, f"{f}schemes[{i}]")
+        for i, m in enumerate(self.methods):
+            check(m in METHODS, f"{f}methods[{i}]", f"unknown method {m!r}", f"use one of {METHODS}")
+        for name in ("holdout", "eval_seq_len", "eval_windows", "latency_context", "latency_reps"):
+            v = getattr(self, name)
+            check(v > 0, f + name, f"must be > 0, got {v}", "use a positive int")
+        for i, k in enumerate(self.latency_tokens):
+            check(k > 0, f"{f}latency_tokens[{i}]", f"must be > 0, got {k}", "use e.g. [1, 4, 8, 16]")
+        try:
+            parse_dtype(self.exec_dtype)
+            self.calib.quant_config(self.kernel)
+        except ConfigError as e:
+            raise ConfigError(f"{f}kernel / {f}exec_dtype: {e}") from None
+
+
+@dataclass
+class Recipe(RecipeHeader):
+    quantize: QuantizeSection = field(default_factory=QuantizeSection)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse a recipe YAML into a Recipe; every error names the field (before any heavy work)."""
+    return from_dict(Recipe, load_yaml(path))

@@ -1,1 +1,2 @@
 """Imports every stage module so that each registers its command in pipelines.cli.STAGES."""
+from polybasic.pipelines import quantize  # noqa: F401

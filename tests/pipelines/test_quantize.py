@@ -1,0 +1,73 @@
+"""The `quantize` stage end to end on a tiny local model folder, and recipe errors."""
+import json
+
+import pytest
+import yaml
+
+from polybasic.errors import ConfigError
+from polybasic.pipelines import quantize as Q
+from polybasic.pipelines.recipe import Recipe, from_dict, load_recipe
+from tests.helpers import tiny_hf_folder
+
+
+def _data(path, n=24):
+    recs = [{"instruction": " ".join(f"w{(i * 7 + j) % 50}" for j in range(12)), "input": "",
+             "output": " ".join(f"w{(i * 3 + j) % 50}" for j in range(20))} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    return path
+
+
+def _recipe(tmp_path):
+    model = tmp_path / "tiny"
+    tiny_hf_folder(model, vocab=64, hidden=64, heads=4, kv_heads=2, init_std=0.2)
+    r = {"name": "tiny", "out_dir": str(tmp_path / "out"), "model": {"source": str(model)},
+         "quantize": {"calib": {"method": "affinequant", "w_bits": 4, "a_bits": 4, "group_size": 32,
+                                "n_samples": 4, "seq_len": 32, "epochs": 2, "batch_size": 2},
+                      "data": str(_data(tmp_path / "d.jsonl")), "holdout": 6, "eval_seq_len": 32,
+                      "eval_windows": 4, "schemes": ["w4a4", "w4a16"], "methods": ["rtn", "affinequant"],
+                      "kernel": "dequant", "exec_dtype": "float32", "latency_tokens": [1, 4],
+                      "latency_context": 8, "latency_reps": 2}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(r))
+    return path
+
+
+def test_quantize_stage_writes_model_report_recipe_and_resumes(tmp_path, monkeypatch):
+    path = _recipe(tmp_path)
+    assert Q.run(str(path)) == 0
+    out = tmp_path / "out"
+    for f in ("model.safetensors", "recipe.yaml", "report.md", "report.json"):
+        assert (out / f).is_file(), f
+    rep = json.loads((out / "report.json").read_text())
+    assert {(r["scheme"], r["method"]) for r in rep["rows"]} == {
+        ("w4a4", "rtn"), ("w4a4", "affinequant"), ("w4a16", "rtn"), ("w4a16", "affinequant")}
+    assert set(rep["latency_ms"]) >= {"fp32", "bf16"}
+    assert load_recipe(out / "recipe.yaml").quantize.calib.epochs == 2
+    from polybasic.models.loader import load_model
+    from polybasic.quant import load_quantized
+
+    args = load_model(str(tmp_path / "tiny")).args
+    from polybasic.models.llama import Transformer
+
+    qm = load_quantized(out / "model.safetensors", lambda: Transformer(args))
+    assert len([n for n in qm.state_dict() if n.endswith("qweight")]) == 2 * 4
+    # resume: every cell is done, so no block is trained again
+    import polybasic.quant.calibrate as C
+
+    monkeypatch.setattr(C, "_train_block", lambda *a, **k: pytest.fail("retrained a saved block"))
+    assert Q.run(str(path), str(out)) == 0
+
+
+def test_recipe_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"quantize\.calib\.epochs: expected int"):
+        from_dict(Recipe, {"quantize": {"calib": {"epochs": "two"}}})
+    with pytest.raises(ConfigError, match=r"quantize\.schemes\[1\]"):
+        from_dict(Recipe, {"quantize": {"schemes": ["w4a4", "w3x"]}})
+    with pytest.raises(ConfigError, match=r"quantize\.calib: CalibrationConfig\.lr_clip"):
+        from_dict(Recipe, {"quantize": {"calib": {"lr_clip": -1.0}}})
+    with pytest.raises(ConfigError, match=r"quantize: unknown field\(s\) \['epochs'\]"):
+        from_dict(Recipe, {"quantize": {"epochs": 3}})
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump({"quantize": {"data": str(tmp_path / "missing.json")}, "model": {"source": "x"}}))
+    with pytest.raises(FileNotFoundError, match=r"quantize\.data"):
+        Q.run(str(p), str(tmp_path / "o"))
