@@ -26,10 +26,10 @@ class KVCache(nn.Module):
 
     def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, G, M, D] at rows start..start+M-1; return the valid prefix [B, G, start+M, D]."""
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        m = k.shape[2]
+        self.k.narrow(2, start, m).copy_(k)
+        self.v.narrow(2, start, m).copy_(v)
+        return self.k.narrow(2, 0, start + m), self.v.narrow(2, 0, start + m)
 
 
 def rope_tables(args: ModelArgs, max_seq_len: int, device=None) -> tuple[Tensor, Tensor]:
@@ -42,11 +42,16 @@ def rope_tables(args: ModelArgs, max_seq_len: int, device=None) -> tuple[Tensor,
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, M, D]; cos, sin [M, D]."""
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, sin_signed: bool = False) -> Tensor:
+    """x [B, H, M, D]; cos, sin [M, D] (or any shapes broadcasting against x over the last dim D).
+
+    sin_signed: `sin` already has its first half negated (see `Transformer.setup_caches`), which
+    turns rotate-half into a plain roll; the result is bit-identical to the HF formula.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    if not sin_signed:
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return x * cos + x.roll(half, -1) * sin  # roll: [x2, x1]; times [-s, s] = rotate_half(x) * sin
 
 
 class RMSNorm(nn.Module):
@@ -56,9 +61,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, same bits
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -71,17 +76,18 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int) -> Tensor:
+        """x [B, M, E]; cos, sin [M, 1, D] with sin sign-folded; mask [M, start+M], or None for
+        M=1 (sees everything) and for a prefill from 0 (plain causal)."""
         bsz, m, _ = x.shape
-        hd = self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
-        q = q.view(bsz, m, self.n_heads, hd).transpose(1, 2)  # [B, H, M, D]
-        k = k.view(bsz, m, self.n_kv, hd).transpose(1, 2)  # [B, G, M, D]
-        v = v.view(bsz, m, self.n_kv, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(start, k, v)  # [B, G, start+M, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv)  # [B, H, M, D]
-        return self.wo(y.transpose(1, 2).reshape(bsz, m, self.n_heads * hd))
+        h, g = self.n_heads, self.n_kv
+        qkv = self.wqkv(x).view(bsz, m, h + 2 * g, self.head_dim)  # [B, M, H+2G, D]
+        qk = apply_rope(qkv[:, :, :h + g], cos, sin, sin_signed=True)  # [B, M, H+G, D], q and k at once
+        q = qk[:, :, :h].transpose(1, 2)  # [B, H, M, D]
+        k, v = self.kv_cache.update(start, qk[:, :, h:].transpose(1, 2),
+                                    qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m > 1 and mask is None,
+                                           enable_gqa=h != g)  # [B, H, M, D]
+        return self.wo(y.transpose(1, 2).reshape(bsz, m, h * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -91,8 +97,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        gate, up = self.w13(x).chunk(2, dim=-1)  # [B, M, I] each
+        return self.w2(F.silu(gate).mul_(up))
 
 
 class Block(nn.Module):
@@ -104,8 +110,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, start)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = self.attention(self.attention_norm(x), cos, sin, mask, start).add_(x)
+        return self.feed_forward(self.ffn_norm(h)).add_(h)
 
 
 class Transformer(nn.Module):
@@ -144,9 +150,11 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(batch, self.args.n_kv_heads, max_seq_len,
                                                self.args.head_dim, dt, dev)
-        cos, sin = rope_tables(self.args, max_seq_len, dev)
-        self.register_buffer("rope_cos", cos.to(dt), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dt), persistent=False)
+        cos, sin = rope_tables(self.args, max_seq_len, dev)  # [S, D]
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # sign-folded, see apply_rope
+        self.register_buffer("rope_cos", cos.to(dt).unsqueeze(1), persistent=False)  # [S, 1, D]
+        self.register_buffer("rope_sin", sin.to(dt).unsqueeze(1), persistent=False)  # [S, 1, D]
         causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=dev).tril()
         self.register_buffer("causal_mask", causal, persistent=False)
         self.max_seq_len = max_seq_len
@@ -162,8 +170,8 @@ class Transformer(nn.Module):
         if end > self.max_seq_len:
             raise ConfigError(f"sequence length: {end} tokens exceed the cache of {self.max_seq_len}; "
                               "call setup_caches with a larger max_seq_len")
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # [M, D]
-        mask = None if m == 1 else self.causal_mask[start:end, :end]  # [M, start+M]
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # [M, 1, D]
+        mask = None if m == 1 or start == 0 else self.causal_mask[start:end, :end]  # [M, start+M]
         x = self.tok_embeddings(tokens)  # [B, M, E]
         for layer in self.layers:
             x = layer(x, cos, sin, mask, start)
@@ -212,13 +220,20 @@ def build_model(args: ModelArgs, state_dict: dict[str, Tensor], dtype: torch.dty
 
 
 def use_decode_layout(model: nn.Module) -> nn.Module:
-    """Store every nn.Linear weight [out, in] as a transposed view of a contiguous [in, out] buffer.
+    """Store every fp32 CPU nn.Linear weight [out, in] as a transposed view of a contiguous [in, out] buffer.
 
     Values and shapes are unchanged; F.linear then runs the "x @ W^T-contiguous" GEMM, which on
-    CPU is faster for the few-token matmuls of decoding and verification (measured: 16.7 vs 19.2 ms
-    for all of SmolLM2-135M's matmuls at M=1, fp32) and slower for long prefills.
+    CPU is faster in fp32 (measured, all of SmolLM2-135M's matmuls at M=1: 16.7 vs 19.2 ms; no slower
+    for prefills of 200-1300 tokens). bf16 weights are left alone: there it was slower at every M.
+    A tied embedding shares the new buffer (a strided row gather: ~12 ms for a 1300-token prefill).
     """
+    new: dict[int, nn.Parameter] = {}  # id(old weight) -> its replacement, so ties survive
     for mod in model.modules():
-        if isinstance(mod, nn.Linear) and mod.weight.is_contiguous() and mod.weight.device.type == "cpu":
-            mod.weight = nn.Parameter(mod.weight.detach().t().contiguous().t(), requires_grad=False)
+        w = getattr(mod, "weight", None)
+        if isinstance(mod, nn.Linear) and id(w) not in new and w.is_contiguous() \
+                and w.device.type == "cpu" and w.dtype == torch.float32:
+            new[id(w)] = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
+    for mod in model.modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)) and id(getattr(mod, "weight", None)) in new:
+            mod.weight = new[id(mod.weight)]
     return model

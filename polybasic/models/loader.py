@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from polybasic.errors import ConfigError, ModelNotFoundError
 from polybasic.models.args import ModelArgs
-from polybasic.models.llama import Transformer, build_model, hf_to_lean_state_dict
+from polybasic.models.llama import Transformer, build_model, hf_to_lean_state_dict, use_decode_layout
 from polybasic.models.registry import REGISTRY, cache_root, gguf_path
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,8 @@ def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = 
     folder = resolve_hf_folder(source)
     args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(folder))
     model = build_model(args, hf_to_lean_state_dict(read_state_dict(folder), args), dt, device)
+    if dt == torch.float32 and torch.device(device).type == "cpu":
+        use_decode_layout(model)  # faster few-token matmuls on CPU (see use_decode_layout)
     return LoadedModel(model, load_tokenizer(folder), args, source, folder)
 
 

@@ -3,6 +3,7 @@
   ngram | ngram:N        prompt-lookup proposer (longest n-gram N, default 3)
   SOURCE[@DTYPE]         any model source load_model accepts (short name, .gguf, HF folder, Hub id)
   target@DTYPE           the target's own weights in another dtype (e.g. a bf16 copy)
+  PATH.safetensors       a quantized copy of the target written by `polybasic quantize`
 Example: "target@bfloat16+ngram" (three levels with the target on top).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from polybasic.models.loader import DTYPES, LoadedModel, load_model
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 
 
-def parse_level(item: str, target_source: str, device: str = "cpu") -> Level:
+def parse_level(item: str, target: LoadedModel, device: str = "cpu") -> Level:
     item = item.strip()
     if not item:
         raise ConfigError("chain: empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
@@ -21,11 +22,17 @@ def parse_level(item: str, target_source: str, device: str = "cpu") -> Level:
         if not n.isdigit():
             raise ConfigError(f"chain: '{item}' needs an integer n-gram size, e.g. ngram:3")
         return NGramLevel(max_ngram=int(n), name=item)
+    if item.endswith(".safetensors"):
+        from polybasic.models.llama import Transformer
+        from polybasic.quant import load_quantized
+
+        model = load_quantized(item, lambda: Transformer(target.args), device=device)
+        return ModelLevel(model, name=item, tokenizer=target.tokenizer)
     source, dtype = item, "float32"
     if "@" in item and item.rsplit("@", 1)[1] in DTYPES:
         source, dtype = item.rsplit("@", 1)
     if source == "target":
-        source = target_source
+        source = target.name
     lm = load_model(source, dtype, device)
     return ModelLevel(lm.model, name=item, tokenizer=lm.tokenizer)
 
@@ -38,4 +45,4 @@ def parse_chain(spec: str, target: LoadedModel, device: str = "cpu") -> list[Lev
     if not items:
         raise ConfigError(f"chain: '{spec}' names no level below the target; e.g. 'target@bf16+ngram'")
     top = ModelLevel(target.model, name="target", tokenizer=target.tokenizer)
-    return [top] + [parse_level(item, target.name, device) for item in items]
+    return [top] + [parse_level(item, target, device) for item in items]

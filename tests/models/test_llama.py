@@ -4,7 +4,7 @@ import torch
 
 from polybasic.errors import ConfigError
 from polybasic.models import ModelArgs
-from polybasic.models.llama import use_decode_layout
+from polybasic.models.llama import apply_rope, use_decode_layout
 from tests.helpers import lean_from_hf, tiny_hf_llama
 
 
@@ -106,3 +106,23 @@ def test_model_args_validation():
                   intermediate_size=8)
     with pytest.raises(ConfigError, match="unknown fields"):
         ModelArgs.from_dict({"vocab_size": 8, "bogus": 1})
+
+
+def test_decode_layout_keeps_ties_and_logits(pair):
+    _, lean = pair
+    lean.setup_caches(32)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        ref, _ = lean(ids, 0)
+        use_decode_layout(lean)
+        out, _ = lean(ids, 0)
+    assert not lean.output.weight.is_contiguous()
+    assert (lean.output.weight is lean.tok_embeddings.weight) == lean.args.tie_embeddings
+    torch.testing.assert_close(out, ref)
+
+
+def test_apply_rope_sign_folded_matches_rotate_half():
+    x = torch.randn(2, 3, 5, 8)
+    cos, sin = torch.randn(5, 8), torch.randn(5, 8)
+    rotated = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+    assert torch.equal(apply_rope(x, cos, sin), x * cos + rotated * sin)

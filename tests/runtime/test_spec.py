@@ -1,0 +1,40 @@
+"""Chains spelled as text, including a quantized copy of the target saved by the quant API."""
+import copy
+
+import pytest
+
+from polybasic.errors import ConfigError
+from polybasic.models import load_model
+from polybasic.quant import QuantConfig, quantize_, save_quantized
+from polybasic.runtime.chain import Chain
+from polybasic.runtime.generate import generate_tokens
+from polybasic.runtime.levels import ModelLevel, NGramLevel
+from polybasic.runtime.spec import parse_chain
+from tests.helpers import tiny_hf_folder
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_hf_folder(path, hidden=48, init_std=0.2)
+    return load_model(str(path))
+
+
+def test_quantized_copy_level(target, tmp_path):
+    q = copy.deepcopy(target.model)
+    cfg = QuantConfig(w_bits=4, a_bits=16, group_size=16, kernel="dequant")
+    save_quantized(quantize_(q, cfg), tmp_path / "q.safetensors", cfg)
+    levels = parse_chain(f"target+{tmp_path / 'q.safetensors'}+ngram:2", target)
+    assert [type(lv) for lv in levels] == [ModelLevel, ModelLevel, NGramLevel]
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    ref = list(generate_tokens(target.model, prompt, 24))
+    out, stats = Chain(levels, k=3).generate(prompt, 24)
+    assert out == ref
+    assert stats.to_dict()["links"][0]["mean_accepted_length"] > 1  # the quantized copy drafts well
+
+
+@pytest.mark.parametrize("spec, match", [("target", "names no level"), ("ngram+", "empty level name"),
+                                         ("ngram:x", "integer n-gram size")])
+def test_bad_specs(target, spec, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_chain(spec, target)
