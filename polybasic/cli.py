@@ -23,6 +23,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--chain", default=None,
                    help="levels below the target, '+'-separated: ngram[:N] | SOURCE[@DTYPE] | target@DTYPE")
     p.add_argument("--k", type=int, default=5, help="tokens the bottom level proposes per round")
+    p.add_argument("--adaptive-k", action="store_true", help="adapt the bottom draft length (1..k)")
     p.add_argument("--thresholds", default=None,
                    help="comma-separated hand-up threshold per middle level (default k+1)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -46,7 +47,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     ids = encode_prompt(lm.tokenizer, a.prompt, chat=not a.no_chat)
     generator = make_generator(a.seed)
     if a.chain:
-        chain = Chain(parse_chain(a.chain, lm), k=a.k, thresholds=thresholds, eos=eos_ids(lm.tokenizer))
+        chain = Chain(parse_chain(a.chain, lm), k=a.k, thresholds=thresholds, eos=eos_ids(lm.tokenizer),
+                      adaptive_k=a.adaptive_k)
         token_iter = chain.stream(ids, a.max_new_tokens, sampling, generator)
         get_stats = lambda: chain.stats  # noqa: E731
     else:

@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--draft-tokens", type=int, default=8, help="k of the n-gram / prompt-lookup drafts")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="our chains adapt the bottom level's draft length (1..k) to its acceptance")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts per method before timing")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -90,7 +92,7 @@ def run_bench_command(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     lm = load_model(a.model, a.dtype)
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
-                       a.draft_tokens, source=a.model,
+                       a.draft_tokens, source=a.model, adaptive_k=a.adaptive_k,
                        hf_loader=lambda: load_hf_model(a.model, a.dtype))
     prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
     runners = {m: make_runner(m, ctx) for m in methods}
@@ -99,7 +101,8 @@ def run_bench_command(a: argparse.Namespace) -> int:
         "model": a.model, "questions": a.questions or "default Spec-Bench", "prompts": len(prompts),
         "categories": list(dict.fromkeys(q.category for q in questions)),
         "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,
-        "top_p": a.top_p, "draft_tokens": a.draft_tokens, "seed": a.seed, "warmup": a.warmup})
+        "top_p": a.top_p, "draft_tokens": a.draft_tokens, "adaptive_k": a.adaptive_k, "seed": a.seed,
+        "warmup": a.warmup})
     write_outputs(doc, a.json_out, a.report)
     print(text_table(doc))
     for label, path in (("json", a.json_out), ("report", a.report and Path(a.report) / "report.md")):

@@ -36,6 +36,7 @@ class BenchContext:
     max_new_tokens: int
     sampling: SamplingConfig = SamplingConfig()
     draft_tokens: int = 8  # k of the n-gram / prompt-lookup drafters
+    adaptive_k: bool = False  # chains adapt the bottom draft length (Chain.adaptive_k)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
     _hf: object = field(default=None, repr=False)
@@ -144,7 +145,8 @@ def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list],
     def run(prompt_ids: list[int], seed: int) -> Output:
         gen = make_generator(seed)
         t0 = time.perf_counter()
-        chain = Chain(make_levels(), k=ctx.draft_tokens, thresholds=thresholds, eos=ctx.eos)
+        chain = Chain(make_levels(), k=ctx.draft_tokens, thresholds=thresholds, eos=ctx.eos,
+                      adaptive_k=ctx.adaptive_k)
         tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
                                        generator=gen)
         wall = time.perf_counter() - t0

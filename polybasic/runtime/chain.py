@@ -26,9 +26,11 @@ from polybasic.runtime.verify import speculative_verify
 
 class Chain:
     def __init__(self, levels: Sequence[Level], k: int = 5, thresholds: Sequence[int] | None = None,
-                 eos: set[int] | frozenset[int] = frozenset()) -> None:
+                 eos: set[int] | frozenset[int] = frozenset(), adaptive_k: bool = False) -> None:
         """levels: target first, bottom proposer last. thresholds: one per middle level
-        (levels[1:-1]); default k + 1 each."""
+        (levels[1:-1]); default k + 1 each. adaptive_k: the bottom level's draft length starts at
+        k and moves between 1 and k with its acceptance (+2 after a fully accepted draft, -1 after
+        a rejection); it depends only on past verifications, so decoding stays lossless."""
         levels = list(levels)
         check(len(levels) >= 2, "levels", f"a chain needs at least 2 levels, got {len(levels)}",
               "pass [target, drafter, ...]")
@@ -53,6 +55,7 @@ class Chain:
         _check_tokenizers(levels)
         self.levels, self.k, self.thresholds = levels, k, [None] + thresholds + [None]
         self.eos = frozenset(eos)
+        self.adaptive_k = adaptive_k
         self.stats = ChainStats()
 
     # -- public API -----------------------------------------------------------------------------
@@ -63,6 +66,7 @@ class Chain:
         budget = check_request(prompt, max_new_tokens, getattr(target, "max_seq_len", 1 << 30))
         t0 = time.perf_counter()
         self.sampling, self.generator = sampling, generator
+        self._k = self.k  # current draft length of the bottom level
         for lvl in self.levels:
             lvl.start(len(prompt) + budget + 1)
         self.stats = st = ChainStats(prompt_tokens=len(prompt))
@@ -98,6 +102,8 @@ class Chain:
             n_acc, nxt = speculative_verify(torch.tensor(draft, dtype=torch.long, device=p.device),
                                             q.to(p.device), p, self.sampling.greedy, self.generator)
             self.stats.links[i].record(n_acc, len(draft))
+            if self.adaptive_k and i == len(self.levels) - 2 and draft:
+                self._k = min(self.k, self._k + 2) if n_acc == len(draft) else max(1, self._k - 1)
             new = draft[:n_acc] + [nxt]
             produced += new
             yield new, p[:n_acc + 1]
@@ -111,7 +117,7 @@ class Chain:
         if cap <= 0:
             return [], torch.empty(0, lvl.vocab_size)
         if j == len(self.levels) - 1:
-            return lvl.propose(context, min(self.k, cap), self.sampling, self.generator, self.eos)
+            return lvl.propose(context, min(self._k, cap), self.sampling, self.generator, self.eos)
         tokens: list[int] = []
         rows: list[Tensor] = []
         for new, p in self._rounds(j, context, cap):

@@ -54,10 +54,10 @@ def exact_joint(hf, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tenso
 CHAINS = {"n2": ["mid"], "n3": ["mid", "small"], "n4": ["mid", "far", "ngram"]}
 
 
-def sample_chain(models, names, sampling, seed, n=N):
+def sample_chain(models, names, sampling, seed, n=N, adaptive_k=False):
     levels = [ModelLevel(models["target"], "target")]
     levels += [NGramLevel(max_ngram=2) if x == "ngram" else ModelLevel(models[x], x) for x in names]
-    chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1))
+    chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1), adaptive_k=adaptive_k)
     g = make_generator(seed)
     first, seqs = torch.zeros(V), torch.zeros(V, V, V)
     for _ in range(n):
@@ -74,6 +74,15 @@ def test_chain_samples_match_target(world, cname, sname):
     sampling = SAMPLINGS[sname]
     p1, joint = exact_joint(hf, sampling)
     first, seqs = sample_chain(models, CHAINS[cname], sampling, seed=1234)
+    assert chi_square_pvalue(first, p1) > P_MIN
+    assert chi_square_pvalue(seqs, joint) > P_MIN
+
+
+def test_adaptive_draft_length_stays_lossless(world):
+    hf, models = world
+    sampling = SAMPLINGS["t1"]
+    p1, joint = exact_joint(hf, sampling)
+    first, seqs = sample_chain(models, CHAINS["n3"], sampling, seed=99, adaptive_k=True)
     assert chi_square_pvalue(first, p1) > P_MIN
     assert chi_square_pvalue(seqs, joint) > P_MIN
 

@@ -33,21 +33,21 @@ CHAINS = {
 }
 
 
-def build(models, names, k, thresholds=None):
+def build(models, names, k, thresholds=None, adaptive_k=False):
     levels = [ModelLevel(models["target"], "target")]
     levels += [NGramLevel(max_ngram=2) if n == "ngram" else ModelLevel(models[n], n) for n in names]
-    return Chain(levels, k=k, thresholds=thresholds, eos={1})
+    return Chain(levels, k=k, thresholds=thresholds, eos={1}, adaptive_k=adaptive_k)
 
 
 @pytest.mark.parametrize("chain", list(CHAINS))
-@pytest.mark.parametrize("k", [1, 4])
-def test_greedy_identity(models, chain, k):
+@pytest.mark.parametrize("k, adaptive", [(1, False), (4, False), (6, True)])
+def test_greedy_identity(models, chain, k, adaptive):
     g = torch.Generator().manual_seed(hash(chain) % 1000 + k)
     for trial in range(3):
         prompt = torch.randint(2, 96, (12,), generator=g).tolist()
         prompt += prompt[:6]  # a repeat so the n-gram level finds matches
         ref = list(generate_tokens(models["target"], prompt, 48, eos={1}))
-        c = build(models, CHAINS[chain], k, thresholds=[k + 2] * (len(CHAINS[chain]) - 1))
+        c = build(models, CHAINS[chain], k, thresholds=[k + 2] * (len(CHAINS[chain]) - 1), adaptive_k=adaptive)
         out, stats = c.generate(prompt, 48)
         assert out == ref, f"{chain} trial {trial}"
         assert stats.new_tokens == len(ref)
