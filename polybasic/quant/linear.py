@@ -38,6 +38,7 @@ class QuantLinear(nn.Module):
     """Base: portable state, constructors, state round trip. Subclasses set `kernel` and forward."""
 
     kernel = "base"
+    fallback_hint = "use kernel: auto (falls back to dequant per layer) or exclude the layer with filter_fn"
 
     def __init__(self, in_features: int, out_features: int, config: QuantConfig, bias: bool = False,
                  bias_dtype: torch.dtype = torch.float32, device=None, name: str = "linear") -> None:
@@ -49,6 +50,9 @@ class QuantLinear(nn.Module):
         if self.w_bits == 4 and in_features % 2:
             raise ConfigError(f"{name}: 4-bit weights need an even in_features, got {in_features}; "
                               "exclude this layer with filter_fn")
+        why = self.check_shape(in_features, out_features, config, device or "cpu", name)
+        if why:
+            raise ConfigError(f"{name}: kernel '{self.kernel}' {why}; {self.fallback_hint}")
         n_groups = in_features // self.group_size
         qshape = (out_features, in_features // 2) if self.w_bits == 4 else (out_features, in_features)
         qdtype = torch.uint8 if self.w_bits == 4 else torch.int8
@@ -146,10 +150,6 @@ class Int4PackLinear(QuantLinear):
     def __init__(self, in_features, out_features, config, bias=False, bias_dtype=torch.float32,
                  device=None, name="linear"):
         super().__init__(in_features, out_features, config, bias, bias_dtype, device, name)
-        why = self.check_shape(in_features, out_features, config, device or "cpu", name)
-        if why:
-            raise ConfigError(f"{name}: kernel 'int4pack' {why}; use kernel: auto (falls back to "
-                              "dequant per layer) or exclude the layer with filter_fn")
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device), persistent=False)
         self.register_buffer("scales_and_zeros", torch.empty(0, device=device), persistent=False)
 
@@ -198,12 +198,11 @@ class Int8MMLinear(QuantLinear):
             return "cuda needs in_features and out_features multiples of 8"
         return None
 
+    fallback_hint = "use kernel: dequant or auto"
+
     def __init__(self, in_features, out_features, config, bias=False, bias_dtype=torch.float32,
                  device=None, name="linear"):
         super().__init__(in_features, out_features, config, bias, bias_dtype, device, name)
-        why = self.check_shape(in_features, out_features, config, device or "cpu", name)
-        if why:
-            raise ConfigError(f"{name}: kernel 'int8mm' {why}; use kernel: dequant or auto")
         self.register_buffer("w_int8", torch.empty(0, dtype=torch.int8, device=device), persistent=False)
         self.register_buffer("w_colsum", torch.empty(0, dtype=torch.int32, device=device), persistent=False)
 
