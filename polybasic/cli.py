@@ -1,4 +1,4 @@
-"""`polybasic` command line: generate | bench (more stages arrive with their issues)."""
+"""`polybasic` command line: generate, bench, and the recipe stages (quantize so far)."""
 from __future__ import annotations
 
 import argparse

@@ -105,9 +105,12 @@ class Chain:
             if self.adaptive_k and i == len(self.levels) - 2 and draft:
                 self._k = min(self.k, self._k + 2) if n_acc == len(draft) else max(1, self._k - 1)
             new = draft[:n_acc] + [nxt]
+            ends = next((j for j, t in enumerate(new) if t in self.eos), None)
+            if ends is not None:  # nothing after an EOS is worth handing up
+                new = new[:ends + 1]
             produced += new
-            yield new, p[:n_acc + 1]
-            if nxt in self.eos or any(t in self.eos for t in new):
+            yield new, p[:len(new)]
+            if ends is not None:
                 return
 
     def _chunk(self, j: int, context: list[int], cap: int) -> tuple[list[int], Tensor]:
