@@ -185,7 +185,7 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True) -> dict:
         rows[key] = row
         log.info("w%da%d-g%d %s: ppl %.3f agree %.4f", w, a, g, method, row["ppl"], row["top1_agree"])
         if is_main:
-            report = {**base, **_save_and_time(fp, res, recipe, out, row)}
+            report = {**base, **_save_and_time(fp, res, recipe, out, row, eval_tok, fp_argmax)}
         report.update(rows=[rows[k] for k in keys if k in rows], done_cells=f"{len(rows)}/{len(set(keys) | {main_key})}",
                       wall_s=round(time.perf_counter() - t_start, 1))
         atomic_write_text(out / "report.json", json.dumps(report, indent=2))
@@ -193,8 +193,10 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True) -> dict:
     return report
 
 
-def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict) -> dict:
-    """Save the recipe's model with its execution kernel; time it against fp32 / bf16 (cached)."""
+def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_argmax) -> dict:
+    """Save the recipe's model with its execution kernel; evaluate it as deployed; time it against
+    fp32 / bf16 (cached)."""
+    from dataclasses import replace
     import copy
 
     from polybasic.models.llama import use_decode_layout
@@ -202,9 +204,10 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict) -> dict:
     from polybasic.quant.api import save_quantized
 
     q, cal = recipe.quantize, recipe.quantize.calib
-    qconf = cal.quant_config(q.kernel)
+    qconf = replace(cal.quant_config(q.kernel), quantize_lm_head=q.quantize_lm_head)
     main = build_quantized_model(fp, res, qconf, parse_dtype(q.exec_dtype))
     save_quantized(main, out / "model.safetensors", qconf)
+    dep_ppl, dep_agree, _ = evaluate(main, eval_tok, fp_argmax)
     cached = out / "work" / f"latency-{_fingerprint(to_dict(recipe))}.json"
     if cached.is_file():
         lat = json.loads(cached.read_text())
@@ -216,7 +219,9 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict) -> dict:
         lat = latency(models, q.latency_tokens, q.latency_context, q.latency_reps)
         atomic_write_text(cached, json.dumps(lat))
     return {"latency_ms": lat, "main": {"scheme": qconf.name, "method": cal.method, "kernel": q.kernel,
-                                        "dtype": q.exec_dtype, "ppl": row["ppl"], "top1_agree": row["top1_agree"]}}
+                                        "dtype": q.exec_dtype, "lm_head_quantized": q.quantize_lm_head,
+                                        "ppl": row["ppl"], "top1_agree": row["top1_agree"],
+                                        "deployed_ppl": dep_ppl, "deployed_top1_agree": dep_agree}}
 
 
 def build_bf16(model):
@@ -258,8 +263,11 @@ def render_report(r: dict) -> str:
     ratio = lat[main_name][ks[0]] / f1
     lines += ["", f"Recipe model: {m['method']} {m['scheme']} (calibrated with its activation bits), executed "
                   f"with kernel {m['kernel']} in {m['dtype']} (weight-only at run time: activations are not "
-                  f"quantized by this kernel). Decode step (M={ks[0]}) = {ratio:.2f}x the fp32 step: "
-                  f"{'<= 0.5x' if ratio <= 0.5 else 'NOT <= 0.5x'}.",
+                  f"quantized by this kernel), LM head "
+                  f"{'quantized too (RTN)' if m.get('lm_head_quantized') else 'kept in ' + m['dtype']}. "
+                  f"As deployed it scores perplexity {m['deployed_ppl']:.3f} and top-1 agreement "
+                  f"{m['deployed_top1_agree']:.4f} on the held-out text. Decode step (M={ks[0]}) = "
+                  f"{ratio:.2f}x the fp32 step: {'<= 0.5x' if ratio <= 0.5 else 'NOT <= 0.5x'}.",
               "", "## The shipped model is already 4-bit", "", r["gguf_note"], "",
               f"Cells done: {r['done_cells']}. Wall time of the stage so far: {r['wall_s']} s."]
     return "\n".join(lines) + "\n"

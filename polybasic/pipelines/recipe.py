@@ -139,6 +139,7 @@ class QuantizeSection:
     methods: list[str] = field(default_factory=lambda: ["rtn", "omniquant", "affinequant"])
     kernel: str = "int4pack"
     exec_dtype: str = "bfloat16"
+    quantize_lm_head: bool = False  # also run the LM head as w_bits weights (RTN) in the saved model
     latency_tokens: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     latency_context: int = 128
     latency_reps: int = 15

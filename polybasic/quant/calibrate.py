@@ -402,7 +402,8 @@ def build_quantized_model(model: nn.Module, results: list[dict], config: QuantCo
     """A copy of model with the calibrated (transformed) norms and real quantized linears.
 
     The codes come from quantize_weight with the learned clipping, so the real model computes the
-    calibrated fake-quantized block exactly (up to the kernel's arithmetic). LM head untouched.
+    calibrated fake-quantized block exactly (up to the kernel's arithmetic). The LM head stays
+    as it is unless config.quantize_lm_head (then: untied from the embedding, round-to-nearest).
     """
     qm = copy.deepcopy(model).to(device=device, dtype=dtype)
     for i, (block, res) in enumerate(zip(qm.layers, results)):
@@ -419,6 +420,11 @@ def build_quantized_model(model: nn.Module, results: list[dict], config: QuantCo
                                                         config, None, name)
             parent, _, attr = fqn.rpartition(".")
             setattr(block.get_submodule(parent), attr, mod)
+    if config.quantize_lm_head:
+        from polybasic.quant.api import quantize_
+
+        qm.output = copy.deepcopy(qm.output)  # own weight: the embedding keeps the float table
+        quantize_(qm, config, filter_fn=lambda mod, fqn: fqn == "output")
     return qm.eval().requires_grad_(False)
 
 

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 import yaml
 
 from polybasic.errors import ConfigError
@@ -51,6 +52,7 @@ def test_quantize_stage_writes_model_report_recipe_and_resumes(tmp_path, monkeyp
 
     qm = load_quantized(out / "model.safetensors", lambda: Transformer(args))
     assert len([n for n in qm.state_dict() if n.endswith("qweight")]) == 2 * 4
+    assert rep["main"]["deployed_ppl"] > 0 and 0 <= rep["main"]["deployed_top1_agree"] <= 1
     # resume: every cell is done, so no block is trained again
     import polybasic.quant.calibrate as C
 
@@ -71,3 +73,22 @@ def test_recipe_errors_name_the_field(tmp_path):
     p.write_text(yaml.safe_dump({"quantize": {"data": str(tmp_path / "missing.json")}, "model": {"source": "x"}}))
     with pytest.raises(FileNotFoundError, match=r"quantize\.data"):
         Q.run(str(p), str(tmp_path / "o"))
+
+
+def test_quantized_lm_head_option(tmp_path):
+    path = _recipe(tmp_path)
+    r = yaml.safe_load(path.read_text())
+    r["quantize"].update(quantize_lm_head=True, schemes=["w4a4"], methods=["rtn"],
+                         calib={**r["quantize"]["calib"], "method": "rtn"})
+    path.write_text(yaml.safe_dump(r))
+    assert Q.run(str(path)) == 0
+    from polybasic.models.llama import Transformer
+    from polybasic.models.loader import load_model
+    from polybasic.quant import load_quantized
+    from polybasic.quant.linear import QuantLinear
+
+    lm = load_model(str(tmp_path / "tiny"))
+    qm = load_quantized(tmp_path / "out" / "model.safetensors", lambda: Transformer(lm.args))
+    assert isinstance(qm.output, QuantLinear)
+    assert torch.equal(qm.tok_embeddings.weight, lm.model.tok_embeddings.weight)  # embedding stays float
+    assert "LM head quantized too" in (tmp_path / "out" / "report.md").read_text()

@@ -1,0 +1,187 @@
+"""EAGLE-style drafter head (Li et al. 2024), written for the lean decoder.
+
+Row p of the head reads the embedding of token x_{p+1} and the base model's feature f_p (last
+hidden state before the final norm), fuses them with a linear layer (2E -> E), runs ONE decoder
+block at position p and predicts the next feature f_{p+1}; the base model's FROZEN final norm and
+LM head turn it into logits for x_{p+2}. Embedding, norm and LM head are the base model's, shared
+and never saved in the head's checkpoint. At inference the head runs autoregressively on its own
+predicted features.
+
+Shapes: B batch, M rows in this call, E model dim, V vocabulary.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from polybasic.errors import ConfigError, check
+from polybasic.models.args import ModelArgs
+from polybasic.models.llama import Block, KVCache, Transformer
+
+DRAFTER_VERSION = 1
+
+
+@dataclass
+class DrafterConfig:
+    """The head's architecture; saved as JSON in the checkpoint's metadata."""
+
+    dim: int
+    vocab_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    fc_bias: bool = True
+    version: int = DRAFTER_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "vocab_size", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+                     "max_seq_len"):
+            check(getattr(self, name) > 0, f"DrafterConfig.{name}", f"must be > 0, got {getattr(self, name)}",
+                  "fix the drafter config")
+        check(self.n_heads % self.n_kv_heads == 0, "DrafterConfig.n_kv_heads",
+              f"{self.n_kv_heads} does not divide n_heads={self.n_heads}", "fix the drafter config")
+        check(self.version == DRAFTER_VERSION, "DrafterConfig.version",
+              f"is {self.version}, this polybasic reads version {DRAFTER_VERSION}",
+              "retrain or convert the drafter")
+
+    @classmethod
+    def for_base(cls, args: ModelArgs, **overrides) -> "DrafterConfig":
+        """A head matching a base model (its decoder block is shaped like one of the base's)."""
+        d = dict(dim=args.dim, vocab_size=args.vocab_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                 head_dim=args.head_dim, intermediate_size=args.intermediate_size, rope_theta=args.rope_theta,
+                 norm_eps=args.norm_eps, max_seq_len=args.max_seq_len)
+        d.update(overrides)
+        return cls(**d)
+
+    def block_args(self) -> ModelArgs:
+        return ModelArgs(vocab_size=self.vocab_size, dim=self.dim, n_layers=1, n_heads=self.n_heads,
+                         n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                         intermediate_size=self.intermediate_size, rope_theta=self.rope_theta,
+                         norm_eps=self.norm_eps, max_seq_len=self.max_seq_len)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"DrafterConfig: unknown fields {sorted(unknown)}; the checkpoint was written "
+                              "by a newer polybasic, upgrade it")
+        return cls(**d)
+
+
+class _NoCache(nn.Module):
+    """Stand-in for KVCache when a whole sequence is processed from position 0 (training)."""
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return k, v
+
+
+def _rope(cfg: DrafterConfig, start: int, end: int, device, dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [M, 1, D] for positions start..end-1, sin sign-folded (see llama.apply_rope)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64,
+                                                 device=device).float() / cfg.head_dim))
+    t = torch.arange(start, end, dtype=torch.int64, device=device).float()
+    emb = torch.outer(t, inv).repeat(1, 2)  # [M, D]
+    half = cfg.head_dim // 2
+    sin = emb.sin()
+    sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return emb.cos().to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+
+class EagleHead(nn.Module):
+    """fc (2E -> E) + one decoder block; `bind(base)` shares the base's embedding, norm and LM head."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=cfg.fc_bias)
+        self.layer = Block(cfg.block_args())
+        self.layer.attention.kv_cache = _NoCache()
+        self.max_cache = 0
+        object.__setattr__(self, "base", None)  # not a submodule: never saved, never trained
+
+    def bind(self, base: Transformer) -> "EagleHead":
+        if base.args.dim != self.cfg.dim:
+            raise ConfigError(f"drafter: head hidden size {self.cfg.dim} does not match the base model's "
+                              f"hidden size {base.args.dim}; use a drafter trained on this base model")
+        if base.args.vocab_size != self.cfg.vocab_size:
+            raise ConfigError(f"drafter: head vocabulary {self.cfg.vocab_size} does not match the base "
+                              f"model's {base.args.vocab_size}; use a drafter trained on this base model")
+        object.__setattr__(self, "base", base)
+        return self
+
+    def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
+        """KV cache for incremental decoding (positions 0..max_seq_len-1)."""
+        p = self.fc.weight
+        self.layer.attention.kv_cache = KVCache(batch, self.cfg.n_kv_heads, max_seq_len, self.cfg.head_dim,
+                                                p.dtype, p.device)
+        self.max_cache = max_seq_len
+
+    def drop_caches(self) -> None:
+        """Back to cache-free full-sequence mode (training)."""
+        self.layer.attention.kv_cache = _NoCache()
+        self.max_cache = 0
+
+    def forward(self, tokens: Tensor, feats: Tensor, start: int = 0) -> Tensor:
+        """tokens [B, M] (x_{p+1}), feats [B, M, E] (f_p) for rows p = start..start+M-1 -> predicted
+        features [B, M, E] (f_{p+1}). Without a cache, start must be 0 (whole sequence, causal)."""
+        m = tokens.shape[1]
+        if isinstance(self.layer.attention.kv_cache, _NoCache):
+            check(start == 0, "start", f"is {start} but the head has no KV cache", "call setup_caches first")
+        elif start + m > self.max_cache:
+            raise ConfigError(f"sequence length: {start + m} rows exceed the head's cache of {self.max_cache}; "
+                              "call setup_caches with a larger max_seq_len")
+        emb = self.base.tok_embeddings(tokens).to(feats.dtype)  # [B, M, E]
+        x = self.fc(torch.cat((emb, feats), dim=-1))  # [B, M, E]
+        cos, sin = _rope(self.cfg, start, start + m, x.device, x.dtype)  # [M, 1, D]
+        mask = None
+        if m > 1 and start > 0:
+            mask = torch.ones(m, start + m, dtype=torch.bool, device=x.device).tril(start)  # [M, start+M]
+        return self.layer(x, cos, sin, mask, start)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Predicted features [..., E] -> logits [..., V] through the base's frozen norm and LM head."""
+        return self.base.output(self.base.norm(hidden))
+
+
+def save_head(path: str | Path, head: EagleHead, extra: dict | None = None) -> None:
+    """Head weights as safetensors; DrafterConfig JSON (and `extra` strings) in the metadata."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    meta = {"drafter_config": json.dumps(head.cfg.to_dict()), "format": "polybasic-eagle-head"}
+    meta.update({k: str(v) for k, v in (extra or {}).items()})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path), metadata=meta)
+
+
+def load_head(path: str | Path, base: Transformer | None = None) -> EagleHead:
+    """Load a head saved by `save_head`; bound to `base` (hidden sizes are checked) when given."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"drafter: checkpoint {p} does not exist; pass the path of a head.safetensors")
+    with safe_open(str(p), "pt") as f:
+        meta = f.metadata() or {}
+    if "drafter_config" not in meta:
+        raise ConfigError(f"drafter: {p} has no drafter_config metadata; it is not a polybasic drafter head")
+    cfg = DrafterConfig.from_dict(json.loads(meta["drafter_config"]))
+    with torch.device("meta"):
+        head = EagleHead(cfg)
+    head.load_state_dict(load_file(str(p)), strict=True, assign=True)
+    head.drop_caches()
+    if base is not None:
+        head.bind(base).to(dtype=base.dtype, device=base.device)
+    return head.eval().requires_grad_(False)

@@ -1,0 +1,184 @@
+"""Training the EAGLE head: a LightningModule, its config and the Trainer factory.
+
+Loss (EAGLE): v_weight * smooth-L1(predicted feature, base feature) + p_weight * cross-entropy of
+the head's logits against the base's next-token distribution (soft targets), on answer tokens.
+The head reads the base's features plus uniform noise. The base model is frozen and deliberately
+NOT a registered submodule: it is not checkpointed, not wrapped by DDP, never broadcast.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
+from polybasic.errors import ConfigError, check
+
+TRAIN_VERSION = 1
+STRATEGIES = ("auto", "ddp", "deepspeed_stage_2")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    v_weight: float = 1.0
+    p_weight: float = 0.1
+    noise_std: float = 0.2  # EAGLE's uniform feature noise, scaled by 512 / sequence length
+    grad_clip: float = 0.5
+    batch_size: int = 4
+    max_len: int = 1024
+    max_epochs: int = 1
+    max_steps: int = -1
+    strategy: str = "auto"
+    devices: int = 1
+    precision: str = "32-true"
+    seed: int = 0
+    log_every: int = 1
+    version: int = TRAIN_VERSION
+
+    def __post_init__(self) -> None:
+        check(self.strategy in STRATEGIES, "train.strategy", f"is {self.strategy!r}",
+              f"use one of {', '.join(STRATEGIES)}")
+        check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}", "use e.g. 3e-4")
+        check(self.batch_size >= 1, "train.batch_size", f"must be >= 1, got {self.batch_size}", "use 1 or more")
+        check(self.devices >= 1, "train.devices", f"must be >= 1, got {self.devices}", "use 1 or more")
+        check(self.version == TRAIN_VERSION, "train.version", f"is {self.version}, expected {TRAIN_VERSION}",
+              "regenerate the recipe")
+
+
+class DistillModule(L.LightningModule):
+    def __init__(self, base, head_cfg: DrafterConfig, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.head = EagleHead(head_cfg)
+        object.__setattr__(self, "base", base.requires_grad_(False).eval())
+        self.head.bind(base)
+        self.losses: list[float] = []
+
+    def on_fit_start(self) -> None:
+        self.base.to(self.device)
+
+    def losses_for(self, batch: dict, noise: bool = True) -> dict[str, torch.Tensor]:
+        tokens, mask = batch["tokens"], batch["mask"]  # [B, T], [B, T]
+        b, t = tokens.shape
+        with torch.no_grad():
+            self.base.setup_caches(t, b)
+            logits, hidden = self.base(tokens, 0)  # [B, T, V], [B, T, E]
+        f = hidden[:, :-1]  # [B, T-1, E] features f_p
+        if noise and self.cfg.noise_std > 0:
+            g = torch.Generator(device="cpu").manual_seed(
+                self.cfg.seed * 1_000_003 + self.global_step * 101 + self.global_rank)
+            u = torch.rand(f.shape, generator=g).to(f.device, f.dtype)
+            f = f + (u - 0.5) * self.cfg.noise_std * 512 / t
+        out = self.head(tokens[:, 1:], f, 0)  # [B, T-1, E] predicted f_{p+1}
+        m = mask[:, 1:].to(out.dtype)  # [B, T-1]
+        denom = m.sum().clamp_min(1.0)
+        vloss = (F.smooth_l1_loss(out, hidden[:, 1:], reduction="none").mean(-1) * m).sum() / denom
+        target = logits[:, 1:].float().softmax(-1)  # [B, T-1, V]
+        logp = self.head.logits(out).float().log_softmax(-1)
+        ploss = (-(target * logp).sum(-1) * m).sum() / denom
+        with torch.no_grad():
+            acc = ((logp.argmax(-1) == target.argmax(-1)).to(m.dtype) * m).sum() / denom
+        loss = self.cfg.v_weight * vloss + self.cfg.p_weight * ploss
+        return {"loss": loss, "vloss": vloss, "ploss": ploss, "acc": acc}
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        out = self.losses_for(batch)
+        self.losses.append(float(out["loss"].detach()))
+        self.log_dict({f"train/{k}": v for k, v in out.items()}, prog_bar=True, sync_dist=False)
+        return out["loss"]
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.head.parameters(), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
+                                 weight_decay=self.cfg.weight_decay)
+
+
+class HeadExport(L.Callback):
+    """Writes `head.safetensors` (weights + DrafterConfig metadata) beside every Lightning checkpoint."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+
+    def _write(self, trainer: L.Trainer, module: DistillModule) -> None:
+        if trainer.is_global_zero:
+            save_head(self.out_dir / "head.safetensors", module.head,
+                      {"global_step": trainer.global_step, "train_config": asdict(module.cfg)})
+
+    def on_save_checkpoint(self, trainer, module, checkpoint) -> None:
+        self._write(trainer, module)
+
+    def on_train_end(self, trainer, module) -> None:
+        self._write(trainer, module)
+
+
+def deepspeed_config(cfg: TrainConfig) -> dict:
+    """DeepSpeed ZeRO stage-2 config generated from the training config."""
+    bf16 = cfg.precision.startswith("bf16")
+    return {
+        "train_micro_batch_size_per_gpu": cfg.batch_size,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": cfg.precision.startswith("16")},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def strategy_for(cfg: TrainConfig):
+    if cfg.strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return DDPStrategy(process_group_backend=backend)
+    if cfg.strategy == "deepspeed_stage_2":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.strategy: deepspeed_stage_2 needs CUDA GPUs and none is available; "
+                              "use 'ddp' (CPU, gloo) or 'auto'")
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(config=deepspeed_config(cfg))
+    return "auto"
+
+
+def build_trainer(cfg: TrainConfig, out_dir: str | Path, **overrides) -> L.Trainer:
+    """Trainer with a `last.ckpt` (resumable) checkpoint per epoch and head.safetensors beside it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out = Path(out_dir)
+    ckpt = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_epochs=1)
+    kw = dict(default_root_dir=str(out), max_epochs=cfg.max_epochs, max_steps=cfg.max_steps,
+              strategy=strategy_for(cfg), devices=cfg.devices,
+              accelerator="gpu" if cfg.strategy == "deepspeed_stage_2" else "auto",
+              precision=cfg.precision, gradient_clip_val=None if cfg.strategy == "deepspeed_stage_2" else cfg.grad_clip,
+              callbacks=[ckpt, HeadExport(out)], log_every_n_steps=cfg.log_every, logger=False,
+              enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+              deterministic=False)
+    kw.update(overrides)
+    return L.Trainer(**kw)
+
+
+def train_dataloader(dataset, cfg: TrainConfig):
+    """Seeded per-epoch order, sharded over DDP ranks at iteration time."""
+    from polybasic.drafters.data import EpochSampler, collate
+
+    sampler = EpochSampler(len(dataset), cfg.seed)
+    return torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                                       collate_fn=lambda b: collate(b, cfg.max_len))
+
+
+def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str | Path,
+        resume: bool = True, **trainer_overrides) -> DistillModule:
+    """Train (resuming from out_dir/checkpoints/last.ckpt when present); returns the module."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    trainer = build_trainer(cfg, out_dir, **trainer_overrides)
+    module = DistillModule(base, head_cfg, cfg)
+    last = Path(out_dir) / "checkpoints" / "last.ckpt"
+    loader = train_dataloader(dataset, cfg)
+    trainer.fit(module, loader, ckpt_path=str(last) if resume and last.is_file() else None)
+    return module

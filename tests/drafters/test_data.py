@@ -1,0 +1,63 @@
+"""Self-distillation data: Alpaca / ShareGPT / JSONL prompts, clear errors, base-model answers."""
+import json
+from pathlib import Path
+
+import pytest
+
+from polybasic.drafters.data import DEFAULT_DATA, DistillDataset, collate, load_prompts, self_distill
+from polybasic.errors import ConfigError
+from polybasic.runtime.generate import generate_tokens
+from polybasic.runtime.text import encode_prompt
+from tests.helpers import lean_from_hf, tiny_hf_llama, word_tokenizer
+
+ALPACA = [{"instruction": "w1 w2", "input": "w3", "output": "x"}, {"instruction": "w4", "input": "", "output": "y"}]
+SHAREGPT = [{"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "w5 w6"},
+                               {"from": "gpt", "value": "z"}]}]
+
+
+def write(tmp_path, name, data):
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+def test_formats(tmp_path):
+    assert load_prompts(write(tmp_path, "a.json", ALPACA)) == ["w1 w2\n\nw3", "w4"]
+    assert load_prompts(write(tmp_path, "s.json", SHAREGPT)) == ["w5 w6"]
+    jl = write(tmp_path, "a.jsonl", "\n".join(json.dumps(r) for r in ALPACA + SHAREGPT) + "\n")
+    assert load_prompts(jl, limit=2) == ["w1 w2\n\nw3", "w4"]
+    assert len(load_prompts(jl)) == 3
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_prompts(tmp_path / "nope.json")
+    with pytest.raises(ConfigError, match="Alpaca: .*instruction.*ShareGPT: .*conversations"):
+        load_prompts(write(tmp_path, "bad.json", [{"question": "q"}]))
+    with pytest.raises(ConfigError, match="not a list"):
+        load_prompts(write(tmp_path, "dict.json", {"instruction": "x"}))
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_prompts(write(tmp_path, "broken.json", "[{"))
+    with pytest.raises(ConfigError, match="no usable prompts"):
+        load_prompts(write(tmp_path, "empty.json", []))
+    with pytest.raises(ConfigError, match="empty"):
+        DistillDataset([], 64)
+
+
+@pytest.mark.skipif(not Path(DEFAULT_DATA).is_file(), reason="shared data not present")
+def test_default_alpaca_file():
+    prompts = load_prompts(DEFAULT_DATA, limit=5)
+    assert len(prompts) == 5 and all(prompts)
+
+
+def test_self_distill_answers_are_the_base_models(tmp_path):
+    tok = word_tokenizer(64)
+    model = lean_from_hf(tiny_hf_llama(vocab=64, init_std=0.2))
+    prompts = load_prompts(write(tmp_path, "a.json", ALPACA))
+    samples = self_distill(model, tok, prompts, max_new_tokens=8, eos=set())
+    ids = encode_prompt(tok, prompts[0])
+    assert samples[0].n_prompt == len(ids) and samples[0].tokens[:len(ids)] == ids
+    assert samples[0].tokens[len(ids):] == list(generate_tokens(model, ids, 8))
+    batch = collate(samples)
+    assert batch["tokens"].shape == batch["mask"].shape
+    assert batch["mask"][0, :len(ids)].sum() == 0 and batch["mask"][0, len(ids):].sum() == 8

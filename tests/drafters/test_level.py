@@ -1,0 +1,58 @@
+"""EagleLevel in a chain is lossless: greedy output equals the target's own; sampled output follows
+the target's distribution (chi-square, same method and bound as tests/runtime/test_chain_distribution.py)."""
+import pytest
+import torch
+
+from polybasic.drafters.head import DrafterConfig, EagleHead
+from polybasic.drafters.level import EagleLevel
+from polybasic.runtime.chain import Chain
+from polybasic.runtime.generate import generate_tokens
+from polybasic.runtime.levels import ModelLevel
+from polybasic.runtime.sampling import SamplingConfig, make_generator
+from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf_llama
+from tests.runtime.test_chain_distribution import KW, N, P_MIN, PROMPT, V, exact_joint
+from tests.stat_utils import chi_square_pvalue
+
+
+def make_head(model, seed=0):
+    torch.manual_seed(seed)
+    return EagleHead(DrafterConfig.for_base(model.args)).bind(model).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("prompt", [[5], [3, 9, 4, 7, 2, 8, 11]])
+def test_greedy_chain_equals_target(k, prompt):
+    target = lean_from_hf(tiny_hf_llama(seed=3, vocab=128, init_std=0.2))
+    ref = list(generate_tokens(target, prompt, 40))
+    tl = ModelLevel(target, "target")
+    chain = Chain([tl, EagleLevel(make_head(target), tl)], k=k)
+    out, stats = chain.generate(prompt, 40)
+    assert out == ref
+    assert stats.levels[1]["forwards"] > 0
+
+
+def test_greedy_three_level_chain_head_on_middle():
+    hf = tiny_hf_llama(seed=3, vocab=128, init_std=0.2)
+    target, mid = lean_from_hf(hf), lean_from_hf(perturbed_copy(hf, 0.3))
+    ref = list(generate_tokens(target, [3, 4, 5], 40))
+    ml = ModelLevel(mid, "mid")
+    chain = Chain([ModelLevel(target, "target"), ml, EagleLevel(make_head(mid), ml)], k=3, thresholds=[3])
+    out, _ = chain.generate([3, 4, 5], 40)
+    assert out == ref
+
+
+def test_sampled_chain_matches_target_distribution():
+    hf = tiny_hf_llama(seed=10, **KW)
+    target = lean_from_hf(hf)
+    sampling = SamplingConfig(temperature=1.0)
+    p1, joint = exact_joint(hf, sampling)
+    tl = ModelLevel(target, "target")
+    chain = Chain([tl, EagleLevel(make_head(target), tl)], k=3)
+    g = make_generator(1234)
+    first, seqs = torch.zeros(V), torch.zeros(V, V, V)
+    for _ in range(N):
+        out, _ = chain.generate(PROMPT, 3, sampling, g)
+        first[out[0]] += 1
+        seqs[out[0], out[1], out[2]] += 1
+    assert chi_square_pvalue(first, p1) > P_MIN
+    assert chi_square_pvalue(seqs, joint) > P_MIN
