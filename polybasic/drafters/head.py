@@ -39,6 +39,7 @@ class DrafterConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 2048
     fc_bias: bool = True
+    draft_vocab_size: int = 0  # > 0: draft over the N most frequent target tokens only (EAGLE-3)
     version: int = DRAFTER_VERSION
 
     def __post_init__(self) -> None:
@@ -48,6 +49,9 @@ class DrafterConfig:
                   "fix the drafter config")
         check(self.n_heads % self.n_kv_heads == 0, "DrafterConfig.n_kv_heads",
               f"{self.n_kv_heads} does not divide n_heads={self.n_heads}", "fix the drafter config")
+        check(0 <= self.draft_vocab_size <= self.vocab_size, "DrafterConfig.draft_vocab_size",
+              f"must be in [0, vocab_size={self.vocab_size}], got {self.draft_vocab_size}",
+              "use 0 for the full vocabulary")
         check(self.version == DRAFTER_VERSION, "DrafterConfig.version",
               f"is {self.version}, this polybasic reads version {DRAFTER_VERSION}",
               "retrain or convert the drafter")
@@ -108,6 +112,10 @@ class EagleHead(nn.Module):
         self.layer = Block(cfg.block_args())
         self.layer.attention.kv_cache = _NoCache()
         self.max_cache = 0
+        if cfg.draft_vocab_size:  # draft id -> target id; saved with the head
+            self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size))
+        else:
+            self.d2t = None
         object.__setattr__(self, "base", None)  # not a submodule: never saved, never trained
 
     def bind(self, base: Transformer) -> "EagleHead":
@@ -149,9 +157,36 @@ class EagleHead(nn.Module):
             mask = torch.ones(m, start + m, dtype=torch.bool, device=x.device).tril(start)  # [M, start+M]
         return self.layer(x, cos, sin, mask, start)
 
+    def set_draft_vocab(self, ids: Tensor) -> None:
+        """ids [N]: the target token ids the head drafts over (see `frequent_tokens`)."""
+        check(self.d2t is not None and ids.shape == self.d2t.shape, "draft vocabulary",
+              f"needs {self.cfg.draft_vocab_size} ids, got {tuple(ids.shape)}", "match draft_vocab_size")
+        check(ids.unique().numel() == ids.numel(), "draft vocabulary", "has duplicate ids", "pass distinct ids")
+        self.d2t.copy_(ids)
+
     def logits(self, hidden: Tensor) -> Tensor:
-        """Predicted features [..., E] -> logits [..., V] through the base's frozen norm and LM head."""
-        return self.base.output(self.base.norm(hidden))
+        """Predicted features [..., E] -> logits [..., N] through the base's frozen norm and LM head
+        (N = V, or the rows of the draft vocabulary only)."""
+        h = self.base.norm(hidden)
+        if self.d2t is None:
+            return self.base.output(h)
+        return torch.nn.functional.linear(h, self.base.output.weight[self.d2t])
+
+    def to_full(self, probs: Tensor) -> Tensor:
+        """Draft-vocabulary probabilities [..., N] -> full-vocabulary [..., V] (zero elsewhere)."""
+        if self.d2t is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.cfg.vocab_size)
+        return full.index_copy_(-1, self.d2t, probs)
+
+
+def frequent_tokens(samples, n: int, vocab_size: int) -> Tensor:
+    """The n most frequent answer tokens of self-distilled samples [n] (ties and the remainder by id)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s.tokens[s.n_prompt:], dtype=torch.long), minlength=vocab_size)
+    order = torch.argsort(-counts * vocab_size + torch.arange(vocab_size))  # stable: by count desc, id asc
+    return order[:n].sort().values
 
 
 def save_head(path: str | Path, head: EagleHead, extra: dict | None = None) -> None:

@@ -73,6 +73,7 @@ class EagleLevel(Level):
                 generator: torch.Generator | None, eos: frozenset[int]) -> tuple[list[int], Tensor]:
         self._absorb()
         if not common_prefix(self.ftoks, context):  # no features yet: the base prefills the prompt
+            self.base.cached = []  # recompute from position 0 (its cache may hold the prompt already)
             self.base.score(context, [], sampling)
             self._absorb()
         t0 = time.perf_counter()
@@ -89,9 +90,9 @@ class EagleLevel(Level):
             for p in range(hi, n - 1):  # rows past the base's features: the head's own predictions
                 self._feed([context[p + 1]], self.hout[p - 1:p], p)
             self.keys = want
-            probs = probs_from_logits(self.head.logits(self.hout[n - 2]), sampling)  # [V]
+            probs = self._probs(self.hout[n - 2], sampling)  # [V]
         else:  # one-token context: no head row yet; the base's own distribution from f_0
-            probs = probs_from_logits(self.head.logits(self.feats[0]), sampling)
+            probs = self._probs(self.feats[0], sampling)
         tokens: list[int] = []
         rows: list[Tensor] = []
         for i in range(k):
@@ -105,6 +106,10 @@ class EagleLevel(Level):
             f = self.feats[p:p + 1] if exact else self.hout[p - 1:p]  # [1, E]
             out = self._feed([tok], f, p)[0]  # [E]
             self.keys.append((tok, exact))
-            probs = probs_from_logits(self.head.logits(out), sampling)
+            probs = self._probs(out, sampling)
         self.counters.time_s += time.perf_counter() - t0
         return tokens, torch.stack(rows)
+
+    def _probs(self, hidden: Tensor, sampling: SamplingConfig) -> Tensor:
+        """Head features [E] -> the full-vocabulary distribution [V] a draft token is sampled from."""
+        return self.head.to_full(probs_from_logits(self.head.logits(hidden), sampling))

@@ -42,20 +42,24 @@ class TrainConfig:
     version: int = TRAIN_VERSION
 
     def __post_init__(self) -> None:
-        check(self.strategy in STRATEGIES, "train.strategy", f"is {self.strategy!r}",
+        check(self.strategy in STRATEGIES, "strategy", f"is {self.strategy!r}",
               f"use one of {', '.join(STRATEGIES)}")
-        check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}", "use e.g. 3e-4")
-        check(self.batch_size >= 1, "train.batch_size", f"must be >= 1, got {self.batch_size}", "use 1 or more")
-        check(self.devices >= 1, "train.devices", f"must be >= 1, got {self.devices}", "use 1 or more")
-        check(self.version == TRAIN_VERSION, "train.version", f"is {self.version}, expected {TRAIN_VERSION}",
+        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}", "use e.g. 3e-4")
+        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}", "use 1 or more")
+        check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "use 1 or more")
+        check(self.version == TRAIN_VERSION, "version", f"is {self.version}, expected {TRAIN_VERSION}",
               "regenerate the recipe")
 
 
 class DistillModule(L.LightningModule):
-    def __init__(self, base, head_cfg: DrafterConfig, cfg: TrainConfig) -> None:
+    def __init__(self, base, head_cfg: DrafterConfig, cfg: TrainConfig, draft_vocab=None) -> None:
         super().__init__()
         self.cfg = cfg
         self.head = EagleHead(head_cfg)
+        if head_cfg.draft_vocab_size:
+            check(draft_vocab is not None, "draft_vocab", "is required with draft_vocab_size > 0",
+                  "pass frequent_tokens(samples, n, vocab_size)")
+            self.head.set_draft_vocab(draft_vocab)
         object.__setattr__(self, "base", base.requires_grad_(False).eval())
         self.head.bind(base)
         self.losses: list[float] = []
@@ -80,7 +84,10 @@ class DistillModule(L.LightningModule):
         denom = m.sum().clamp_min(1.0)
         vloss = (F.smooth_l1_loss(out, hidden[:, 1:], reduction="none").mean(-1) * m).sum() / denom
         target = logits[:, 1:].float().softmax(-1)  # [B, T-1, V]
-        logp = self.head.logits(out).float().log_softmax(-1)
+        if self.head.d2t is not None:  # the base's mass on the draft vocabulary, renormalised
+            target = target[..., self.head.d2t]
+            target = target / target.sum(-1, keepdim=True).clamp_min(1e-12)  # [B, T-1, N]
+        logp = self.head.logits(out).float().log_softmax(-1)  # [B, T-1, N]
         ploss = (-(target * logp).sum(-1) * m).sum() / denom
         with torch.no_grad():
             acc = ((logp.argmax(-1) == target.argmax(-1)).to(m.dtype) * m).sum() / denom
@@ -174,10 +181,16 @@ def train_dataloader(dataset, cfg: TrainConfig):
 
 def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str | Path,
         resume: bool = True, **trainer_overrides) -> DistillModule:
-    """Train (resuming from out_dir/checkpoints/last.ckpt when present); returns the module."""
+    """Train (resuming from out_dir/checkpoints/last.ckpt when present); returns the module. With
+    head_cfg.draft_vocab_size = N the draft vocabulary is the N most frequent answer tokens."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer = build_trainer(cfg, out_dir, **trainer_overrides)
-    module = DistillModule(base, head_cfg, cfg)
+    d2t = None
+    if head_cfg.draft_vocab_size:
+        from polybasic.drafters.head import frequent_tokens
+
+        d2t = frequent_tokens(dataset.samples, head_cfg.draft_vocab_size, head_cfg.vocab_size)
+    module = DistillModule(base, head_cfg, cfg, d2t)
     last = Path(out_dir) / "checkpoints" / "last.ckpt"
     loader = train_dataloader(dataset, cfg)
     trainer.fit(module, loader, ckpt_path=str(last) if resume and last.is_file() else None)

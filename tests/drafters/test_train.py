@@ -79,7 +79,7 @@ def test_deepspeed_needs_gpu_and_config_is_valid():
 
 
 def test_config_validation():
-    with pytest.raises(ConfigError, match="train.strategy"):
+    with pytest.raises(ConfigError, match="strategy"):
         TrainConfig(strategy="fsdp")
     with pytest.raises(ConfigError, match="DrafterConfig.version"):
         DrafterConfig(dim=8, vocab_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=8, version=9)

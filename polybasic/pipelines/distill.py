@@ -1,0 +1,67 @@
+"""The `distill` stage: self-distill answers from the base model, then train the EAGLE head.
+
+Outputs in the out folder (a rerun resumes):
+  samples.jsonl       the base model's answers, {"tokens": [...], "n_prompt": int} per line
+  checkpoints/last.ckpt  Lightning checkpoint of the last finished epoch (the resume point)
+  head.safetensors    the head's weights, DrafterConfig JSON in the metadata
+  recipe.yaml         the resolved recipe
+Not yet registered: needs `distill: DistillSection` in pipelines.recipe.Recipe and an import in
+pipelines.stages (files owned elsewhere).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from polybasic.drafters.data import DEFAULT_DATA, DistillDataset, Sample, load_prompts, self_distill
+from polybasic.drafters.head import DrafterConfig
+from polybasic.drafters.module import TrainConfig, fit
+from polybasic.errors import check
+from polybasic.pipelines.recipe import atomic_write_text, from_dict
+from polybasic.runtime.sampling import SamplingConfig
+
+
+@dataclass
+class DistillSection:
+    data: str = DEFAULT_DATA  # Alpaca or ShareGPT JSON/JSONL; never the Spec-Bench questions
+    limit: int = 1000  # first N records
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy answers
+    max_prompt_tokens: int = 512
+    seed: int = 0
+    draft_vocab_size: int = 0  # > 0: EAGLE-3 style reduced draft vocabulary
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("limit", "max_new_tokens", "max_prompt_tokens"):
+            check(getattr(self, name) > 0, f"distill.{name}", f"must be > 0, got {getattr(self, name)}",
+                  "use a positive int")
+        check("spec_bench" not in self.data, "distill.data", "points at the Spec-Bench questions",
+              "never train on the benchmark; use e.g. the Alpaca subset")
+        SamplingConfig(temperature=self.temperature)
+
+
+def section_from_dict(data: dict) -> DistillSection:
+    return from_dict(DistillSection, data, "distill")
+
+
+def _samples(lm, sec: DistillSection, out: Path) -> list[Sample]:
+    path = out / "samples.jsonl"
+    if path.is_file():
+        return [Sample(**json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
+    prompts = load_prompts(sec.data, sec.limit)
+    samples = self_distill(lm.model, lm.tokenizer, prompts, sec.max_new_tokens,
+                           SamplingConfig(temperature=sec.temperature), sec.seed, sec.max_prompt_tokens)
+    atomic_write_text(path, "".join(json.dumps(s.__dict__) + "\n" for s in samples))
+    return samples
+
+
+def run_distill(lm, sec: DistillSection, out: str | Path, **trainer_overrides):
+    """lm: a models.loader.LoadedModel (the base the head drafts for). Returns the DistillModule."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    samples = _samples(lm, sec, out)
+    head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size)
+    return fit(lm.model, DistillDataset(samples, sec.train.max_len), head_cfg, sec.train, out,
+               **trainer_overrides)

@@ -1,0 +1,34 @@
+"""The distill stage end to end on a tiny HF folder: samples, head.safetensors, resume; field errors."""
+import json
+
+import pytest
+
+from polybasic.drafters.head import load_head
+from polybasic.errors import ConfigError
+from polybasic.models import load_model
+from polybasic.pipelines.distill import run_distill, section_from_dict
+from tests.helpers import tiny_hf_folder
+
+
+def test_distill_stage(tmp_path):
+    tiny_hf_folder(tmp_path / "m", vocab=64, init_std=0.2)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"instruction": f"w{i} w{i + 1}", "input": "", "output": ""} for i in range(8)]))
+    sec = section_from_dict({"data": str(data), "max_new_tokens": 8,
+                             "train": {"batch_size": 2, "max_epochs": 1, "lr": 1e-3}})
+    lm = load_model(str(tmp_path / "m"))
+    m = run_distill(lm, sec, tmp_path / "out", accelerator="cpu")
+    assert len(m.losses) == 4
+    assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 8
+    load_head(tmp_path / "out" / "head.safetensors", lm.model)
+    sec.train.max_epochs = 2
+    assert len(run_distill(lm, sec, tmp_path / "out", accelerator="cpu").losses) == 4  # resumed: epoch 2 only
+
+
+def test_section_errors():
+    with pytest.raises(ConfigError, match="distill.train: strategy"):
+        section_from_dict({"train": {"strategy": "nope"}})
+    with pytest.raises(ConfigError, match="distill.data.*Spec-Bench"):
+        section_from_dict({"data": "../shared/data/spec_bench/question.jsonl"})
+    with pytest.raises(ConfigError, match="distill: unknown field"):
+        section_from_dict({"epochs": 3})
