@@ -17,3 +17,7 @@ def check(cond: bool, field: str, problem: str, fix: str) -> None:
     """Raise ConfigError('<field>: <problem>; <fix>') unless cond holds."""
     if not cond:
         raise ConfigError(f"{field}: {problem}; {fix}")
+
+
+class DataNotFoundError(PolybasicError, FileNotFoundError):
+    """A data file (prompts, calibration text, questions) that does not exist."""

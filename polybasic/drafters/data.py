@@ -4,7 +4,6 @@ base logits are NOT stored: the training step recomputes them from the lean mode
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 from torch import Tensor
 
 from polybasic.errors import ConfigError
+from polybasic.pipelines.records import read_records
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.sampling import SamplingConfig, make_generator
 from polybasic.runtime.text import encode_prompt
@@ -20,19 +20,6 @@ DEFAULT_DATA = "../shared/data/alpaca_1000/alpaca_data_cleaned_1000.json"
 SCHEMA = ('Alpaca: [{"instruction": str, "input": str (optional), "output": str}, ...] or '
           'ShareGPT: [{"conversations": [{"from": "human", "value": str}, {"from": "gpt", "value": str}, ...]}, ...]'
           ' (a JSON list, or one object per line in a .jsonl file)')
-
-
-def _records(path: Path) -> list:
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"data.path: {path} is not valid JSON ({e}); expected {SCHEMA}") from None
-    if not isinstance(data, list):
-        raise ConfigError(f"data.path: {path} holds a {type(data).__name__}, not a list; expected {SCHEMA}")
-    return data
 
 
 def _prompt(rec, i: int, path: Path) -> str:
@@ -50,10 +37,7 @@ def _prompt(rec, i: int, path: Path) -> str:
 def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """User prompts from an Alpaca or ShareGPT JSON/JSONL file (first `limit` records)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"data.path: {p} does not exist; pass a JSON/JSONL file in the format {SCHEMA} "
-                          f"(default {DEFAULT_DATA})")
-    recs = _records(p)[:limit]
+    recs = read_records(p, "data.path", f"{SCHEMA} (default {DEFAULT_DATA})")[:limit]
     prompts = [_prompt(r, i, p) for i, r in enumerate(recs)]
     prompts = [x for x in prompts if x.strip()]
     if not prompts:

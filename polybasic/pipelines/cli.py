@@ -4,7 +4,6 @@ Each stage module registers itself in STAGES (name -> (help, run(recipe_path, ou
 """
 from __future__ import annotations
 
-import argparse
 
 STAGES: dict[str, tuple[str, object]] = {}
 

@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from polybasic.errors import ConfigError, ModelNotFoundError
+from polybasic.errors import ConfigError
 from polybasic.pipelines.cli import STAGES
+from polybasic.pipelines.records import read_records
 from polybasic.pipelines.recipe import Recipe, atomic_write_text, dump_recipe, load_recipe, to_dict
-from polybasic.quant.calibrate import CalibrationConfig, build_quantized_model, calibrate, parse_scheme
+from polybasic.quant.calibrate import build_quantized_model, calibrate, parse_scheme
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +46,7 @@ GGUF_NOTE = (
 
 def load_records(path: str | Path) -> list[dict]:
     """A JSON list or JSONL file of records."""
-    p = Path(path)
-    if not p.is_file():
-        raise ModelNotFoundError(f"quantize.data: {p} does not exist; pass a JSON or JSONL file of "
-                                 "{instruction, input, output} or {text} records")
-    text = p.read_text()
-    try:
-        if p.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"quantize.data: {p} is not valid JSON/JSONL: {e}") from None
-    if not isinstance(data, list):
-        raise ConfigError(f"quantize.data: {p} must hold a list of records")
-    return data
+    return read_records(path, "quantize.data", "{instruction, input, output} or {text} records")
 
 
 def record_tokens(tokenizer, rec: dict) -> list[int]:

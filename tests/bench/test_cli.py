@@ -5,7 +5,6 @@ import pytest
 
 from polybasic.bench.methods import BenchContext, make_runner, parse_methods
 from polybasic.cli import main
-from polybasic.errors import ConfigError
 from tests.helpers import lean_from_hf, tiny_hf_llama
 
 

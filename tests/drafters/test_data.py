@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from polybasic.drafters.data import DEFAULT_DATA, DistillDataset, collate, load_prompts, self_distill
-from polybasic.errors import ConfigError
+from polybasic.errors import ConfigError, DataNotFoundError
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.text import encode_prompt
 from tests.helpers import lean_from_hf, tiny_hf_llama, word_tokenizer
@@ -30,7 +30,7 @@ def test_formats(tmp_path):
 
 
 def test_errors(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(DataNotFoundError, match="data.path: .* does not exist.*Alpaca"):
         load_prompts(tmp_path / "nope.json")
     with pytest.raises(ConfigError, match="Alpaca: .*instruction.*ShareGPT: .*conversations"):
         load_prompts(write(tmp_path, "bad.json", [{"question": "q"}]))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from polybasic.drafters.data import DistillDataset, Sample
-from polybasic.drafters.head import DrafterConfig, EagleHead, frequent_tokens, load_head, save_head
+from polybasic.drafters.head import DrafterConfig, EagleHead, frequent_tokens, load_head
 from polybasic.drafters.level import EagleLevel
 from polybasic.drafters.module import TrainConfig, fit
 from polybasic.drafters.train_smoke import tiny_base, tiny_samples
