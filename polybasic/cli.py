@@ -1,4 +1,4 @@
-"""`polybasic` command line: generate, bench, and the recipe stages (quantize so far)."""
+"""`polybasic` command line: generate, bench, and the recipe stages (quantize, distill)."""
 from __future__ import annotations
 
 import argparse

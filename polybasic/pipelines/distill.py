@@ -5,8 +5,7 @@ Outputs in the out folder (a rerun resumes):
   checkpoints/last.ckpt  Lightning checkpoint of the last finished epoch (the resume point)
   head.safetensors    the head's weights, DrafterConfig JSON in the metadata
   recipe.yaml         the resolved recipe
-Not yet registered: needs `distill: DistillSection` in pipelines.recipe.Recipe and an import in
-pipelines.stages (files owned elsewhere).
+Run with `polybasic distill RECIPE.yaml [--out DIR]` (the recipe's `distill` section).
 """
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ from polybasic.drafters.data import DEFAULT_DATA, DistillDataset, Sample, load_p
 from polybasic.drafters.head import DrafterConfig
 from polybasic.drafters.module import TrainConfig, fit
 from polybasic.errors import check
-from polybasic.pipelines.recipe import atomic_write_text, from_dict
+from polybasic.pipelines.cli import STAGES
+from polybasic.pipelines.serde import atomic_write_text, from_dict
 from polybasic.runtime.sampling import SamplingConfig
 
 
@@ -65,3 +65,23 @@ def run_distill(lm, sec: DistillSection, out: str | Path, **trainer_overrides):
     head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size)
     return fit(lm.model, DistillDataset(samples, sec.train.max_len), head_cfg, sec.train, out,
                **trainer_overrides)
+
+
+def run(recipe_path: str, out_dir: str | None = None) -> int:
+    """`polybasic distill RECIPE.yaml`: distill a drafter head for the recipe's model."""
+    from polybasic.models import load_model
+    from polybasic.pipelines.recipe import load_recipe
+    from polybasic.pipelines.serde import dump_recipe
+
+    recipe = load_recipe(recipe_path)  # every field checked before the model loads
+    load_prompts(recipe.distill.data, recipe.distill.limit)  # data errors before heavy work too
+    out = Path(out_dir or recipe.out_dir) / "distill"
+    out.mkdir(parents=True, exist_ok=True)
+    dump_recipe(recipe, out / "recipe.yaml")
+    lm = load_model(recipe.model.source, recipe.model.dtype)
+    run_distill(lm, recipe.distill, out)
+    print(f"wrote {out / 'head.safetensors'}")
+    return 0
+
+
+STAGES["distill"] = ("self-distill data and train an EAGLE drafter head (see recipes/)", run)

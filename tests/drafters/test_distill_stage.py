@@ -32,3 +32,25 @@ def test_section_errors():
         section_from_dict({"data": "../shared/data/spec_bench/question.jsonl"})
     with pytest.raises(ConfigError, match="distill: unknown field"):
         section_from_dict({"epochs": 3})
+
+
+def test_distill_command_runs_a_recipe(tmp_path):
+    import yaml
+
+    from polybasic.cli import main
+
+    tiny_hf_folder(tmp_path / "m", vocab=64, init_std=0.2)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"instruction": f"w{i} w{i + 2}", "input": "", "output": ""} for i in range(4)]))
+    recipe = {"name": "tiny", "out_dir": str(tmp_path / "run"), "model": {"source": str(tmp_path / "m")},
+              "distill": {"data": str(data), "max_new_tokens": 6,
+                          "train": {"batch_size": 2, "max_epochs": 1, "lr": 1e-3}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["distill", str(path)]) == 0
+    out = tmp_path / "run" / "distill"
+    assert (out / "head.safetensors").is_file() and (out / "recipe.yaml").is_file()
+    load_head(out / "head.safetensors", load_model(str(tmp_path / "m")).model)
+    recipe["distill"]["data"] = str(tmp_path / "missing.json")
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["distill", str(path)]) == 2  # clear error, before any model loads
