@@ -4,6 +4,7 @@ base logits are NOT stored: the training step recomputes them from the lean mode
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,16 +54,21 @@ class Sample:
 
 def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, max_prompt_tokens: int = 512,
-                 eos: set[int] | None = None) -> list[Sample]:
+                 eos: set[int] | None = None, progress: bool = False) -> list[Sample]:
     """Base-model answers (chat template), one prompt at a time (the lean decoder has no padding
     masks, so no batching yet). Prompts longer than max_prompt_tokens are left-truncated."""
+    from tqdm import tqdm
+
     g = make_generator(seed)
     eos = eos if eos is not None else ({tokenizer.eos_token_id} - {None})
-    out = []
-    for text in prompts:
+    out, n_new, t0 = [], 0, time.perf_counter()
+    bar = tqdm(prompts, desc="self-distill", unit="prompt", disable=not progress)
+    for text in bar:
         ids = encode_prompt(tokenizer, text)[-max_prompt_tokens:]
         ans = list(generate_tokens(model, ids, max_new_tokens, sampling, eos, g))
         out.append(Sample(ids + ans, len(ids)))
+        n_new += len(ans)
+        bar.set_postfix(tok_s=f"{n_new / (time.perf_counter() - t0):.1f}")
     return out
 
 

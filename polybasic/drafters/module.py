@@ -7,6 +7,7 @@ NOT a registered submodule: it is not checkpointed, not wrapped by DDP, never br
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -95,9 +96,12 @@ class DistillModule(L.LightningModule):
         return {"loss": loss, "vloss": vloss, "ploss": ploss, "acc": acc}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        t0 = time.perf_counter()
         out = self.losses_for(batch)
         self.losses.append(float(out["loss"].detach()))
         self.log_dict({f"train/{k}": v for k, v in out.items()}, prog_bar=True, sync_dist=False)
+        n_tok = float(batch["tokens"].numel())  # tokens through base + head this step
+        self.log("tok_s", n_tok / max(time.perf_counter() - t0, 1e-9), prog_bar=True, sync_dist=False)
         return out["loss"]
 
     def configure_optimizers(self):

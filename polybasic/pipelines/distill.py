@@ -46,22 +46,23 @@ def section_from_dict(data: dict) -> DistillSection:
     return from_dict(DistillSection, data, "distill")
 
 
-def _samples(lm, sec: DistillSection, out: Path) -> list[Sample]:
+def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list[Sample]:
     path = out / "samples.jsonl"
     if path.is_file():
         return [Sample(**json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     prompts = load_prompts(sec.data, sec.limit)
     samples = self_distill(lm.model, lm.tokenizer, prompts, sec.max_new_tokens,
-                           SamplingConfig(temperature=sec.temperature), sec.seed, sec.max_prompt_tokens)
+                           SamplingConfig(temperature=sec.temperature), sec.seed, sec.max_prompt_tokens,
+                           progress=progress)
     atomic_write_text(path, "".join(json.dumps(s.__dict__) + "\n" for s in samples))
     return samples
 
 
-def run_distill(lm, sec: DistillSection, out: str | Path, **trainer_overrides):
+def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False, **trainer_overrides):
     """lm: a models.loader.LoadedModel (the base the head drafts for). Returns the DistillModule."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    samples = _samples(lm, sec, out)
+    samples = _samples(lm, sec, out, progress)
     head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size)
     return fit(lm.model, DistillDataset(samples, sec.train.max_len), head_cfg, sec.train, out,
                **trainer_overrides)
@@ -79,7 +80,7 @@ def run(recipe_path: str, out_dir: str | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dump_recipe(recipe, out / "recipe.yaml")
     lm = load_model(recipe.model.source, recipe.model.dtype)
-    run_distill(lm, recipe.distill, out)
+    run_distill(lm, recipe.distill, out, progress=True, enable_progress_bar=True)
     print(f"wrote {out / 'head.safetensors'}")
     return 0
 
