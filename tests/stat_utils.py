@@ -26,3 +26,16 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     stat = ((obs - exp) ** 2 / exp).sum()
     df = obs.numel() - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def chain_sample_counts(chain, prompt: list[int], sampling, seed: int, n: int, vocab: int):
+    """Counts of the first token [V] and of the 3-token sequence [V, V, V] over n seeded generations."""
+    from polybasic.runtime.sampling import make_generator
+
+    g = make_generator(seed)
+    first, seqs = torch.zeros(vocab), torch.zeros(vocab, vocab, vocab)
+    for _ in range(n):
+        out, _ = chain.generate(prompt, 3, sampling, g)
+        first[out[0]] += 1
+        seqs[out[0], out[1], out[2]] += 1
+    return first, seqs

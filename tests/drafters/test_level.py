@@ -8,10 +8,10 @@ from polybasic.drafters.level import EagleLevel
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel
-from polybasic.runtime.sampling import SamplingConfig, make_generator
+from polybasic.runtime.sampling import SamplingConfig
 from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf_llama
 from tests.runtime.test_chain_distribution import KW, N, P_MIN, PROMPT, V, exact_joint
-from tests.stat_utils import chi_square_pvalue
+from tests.stat_utils import chain_sample_counts, chi_square_pvalue
 
 
 def make_head(model, seed=0):
@@ -48,11 +48,6 @@ def test_sampled_chain_matches_target_distribution():
     p1, joint = exact_joint(hf, sampling)
     tl = ModelLevel(target, "target")
     chain = Chain([tl, EagleLevel(make_head(target), tl)], k=3)
-    g = make_generator(1234)
-    first, seqs = torch.zeros(V), torch.zeros(V, V, V)
-    for _ in range(N):
-        out, _ = chain.generate(PROMPT, 3, sampling, g)
-        first[out[0]] += 1
-        seqs[out[0], out[1], out[2]] += 1
+    first, seqs = chain_sample_counts(chain, PROMPT, sampling, 1234, N, V)
     assert chi_square_pvalue(first, p1) > P_MIN
     assert chi_square_pvalue(seqs, joint) > P_MIN

@@ -15,9 +15,9 @@ import torch
 import polybasic.runtime.chain as chain_mod
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.levels import ModelLevel, NGramLevel
-from polybasic.runtime.sampling import SamplingConfig, make_generator, probs_from_logits
+from polybasic.runtime.sampling import SamplingConfig, probs_from_logits
 from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf_llama
-from tests.stat_utils import chi_square_pvalue
+from tests.stat_utils import chain_sample_counts, chi_square_pvalue
 
 V, N, P_MIN = 16, 2500, 1e-3
 PROMPT = [3, 7, 2, 3, 7]
@@ -58,13 +58,7 @@ def sample_chain(models, names, sampling, seed, n=N, adaptive_k=False):
     levels = [ModelLevel(models["target"], "target")]
     levels += [NGramLevel(max_ngram=2) if x == "ngram" else ModelLevel(models[x], x) for x in names]
     chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1), adaptive_k=adaptive_k)
-    g = make_generator(seed)
-    first, seqs = torch.zeros(V), torch.zeros(V, V, V)
-    for _ in range(n):
-        out, _ = chain.generate(PROMPT, 3, sampling, g)
-        first[out[0]] += 1
-        seqs[out[0], out[1], out[2]] += 1
-    return first, seqs
+    return chain_sample_counts(chain, PROMPT, sampling, seed, n, V)
 
 
 @pytest.mark.parametrize("sname", list(SAMPLINGS))
