@@ -14,8 +14,7 @@ from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel
 from polybasic.runtime.sampling import SamplingConfig, make_generator
 from tests.helpers import lean_from_hf, tiny_hf_llama
-from tests.runtime.test_chain_distribution import KW, N, P_MIN, PROMPT, V, exact_joint
-from tests.stat_utils import chain_sample_counts, chi_square_pvalue
+from tests.drafters.test_level import check_sampled_chain
 
 
 def reduced_head(model, n, seed=0):
@@ -45,15 +44,7 @@ def test_greedy_lossless_and_proposals_in_vocab():
 
 
 def test_sampled_chain_matches_target_distribution():
-    hf = tiny_hf_llama(seed=10, **KW)
-    target = lean_from_hf(hf)
-    sampling = SamplingConfig(temperature=1.0)
-    p1, joint = exact_joint(hf, sampling)
-    tl = ModelLevel(target, "target")
-    chain = Chain([tl, EagleLevel(reduced_head(target, 8), tl)], k=3)
-    first, seqs = chain_sample_counts(chain, PROMPT, sampling, 4321, N, V)
-    assert chi_square_pvalue(first, p1) > P_MIN
-    assert chi_square_pvalue(seqs, joint) > P_MIN
+    check_sampled_chain(lambda target: reduced_head(target, 8), 4321)
 
 
 def test_save_load_and_train(tmp_path):
