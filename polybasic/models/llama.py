@@ -220,19 +220,25 @@ def build_model(args: ModelArgs, state_dict: dict[str, Tensor], dtype: torch.dty
 
 
 def use_decode_layout(model: nn.Module) -> nn.Module:
-    """Store every fp32 CPU nn.Linear weight [out, in] as a transposed view of a contiguous [in, out] buffer.
+    """Give every nn.Linear weight [out, in] the faster memory layout for its dtype and device.
 
-    Values and shapes are unchanged; F.linear then runs the "x @ W^T-contiguous" GEMM, which on
-    CPU is faster in fp32 (measured, all of SmolLM2-135M's matmuls at M=1: 16.7 vs 19.2 ms; no slower
-    for prefills of 200-1300 tokens). bf16 weights are left alone: there it was slower at every M.
-    A tied embedding shares the new buffer (a strided row gather: ~12 ms for a 1300-token prefill).
+    fp32 on CPU: a transposed view of a contiguous [in, out] buffer, so F.linear runs the
+    "x @ W^T-contiguous" GEMM (measured, all of SmolLM2-135M's matmuls at M=1: 16.7 vs 19.2 ms; no
+    slower for prefills of 200-1300 tokens). Anything else (e.g. bf16, slower transposed at every M,
+    or a bf16 copy made from a transposed fp32 model): plain contiguous [out, in].
+    Values and shapes are unchanged. A tied embedding shares the new buffer (in the transposed
+    layout a strided row gather: ~12 ms for a 1300-token prefill).
     """
     new: dict[int, nn.Parameter] = {}  # id(old weight) -> its replacement, so ties survive
     for mod in model.modules():
         w = getattr(mod, "weight", None)
-        if isinstance(mod, nn.Linear) and id(w) not in new and w.is_contiguous() \
-                and w.device.type == "cpu" and w.dtype == torch.float32:
+        if not isinstance(mod, nn.Linear) or id(w) in new:
+            continue
+        transposed = w.device.type == "cpu" and w.dtype == torch.float32
+        if transposed and w.is_contiguous():
             new[id(w)] = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
+        elif not transposed and not w.is_contiguous():
+            new[id(w)] = nn.Parameter(w.detach().contiguous(), requires_grad=False)
     for mod in model.modules():
         if isinstance(mod, (nn.Linear, nn.Embedding)) and id(getattr(mod, "weight", None)) in new:
             mod.weight = new[id(mod.weight)]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from polybasic.errors import ConfigError, PolybasicError, check
-from polybasic.models.llama import apply_rope, rope_tables
+from polybasic.models.llama import apply_rope, rope_tables, use_decode_layout
 from polybasic.quant.config import BITS, METHODS, QuantConfig
 from polybasic.quant.linear import KERNEL_CLASSES, choose_kernel
 from polybasic.quant.primitives import (fake_quantize_activation, fake_quantize_weight,
@@ -425,6 +425,7 @@ def build_quantized_model(model: nn.Module, results: list[dict], config: QuantCo
 
         qm.output = copy.deepcopy(qm.output)  # own weight: the embedding keeps the float table
         quantize_(qm, config, filter_fn=lambda mod, fqn: fqn == "output")
+    use_decode_layout(qm)  # float linears left over (the head) get the layout for their new dtype
     return qm.eval().requires_grad_(False)
 
 

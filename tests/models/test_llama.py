@@ -1,4 +1,6 @@
 """The lean decoder against transformers' LlamaForCausalLM in fp32."""
+from copy import deepcopy
+
 import pytest
 import torch
 
@@ -126,3 +128,13 @@ def test_apply_rope_sign_folded_matches_rotate_half():
     cos, sin = torch.randn(5, 8), torch.randn(5, 8)
     rotated = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
     assert torch.equal(apply_rope(x, cos, sin), x * cos + rotated * sin)
+
+
+def test_decode_layout_makes_a_bf16_copy_of_a_transposed_model_contiguous(pair):
+    _, lean = pair
+    use_decode_layout(lean)
+    copy = deepcopy(lean).to(torch.bfloat16)
+    assert not copy.layers[0].attention.wqkv.weight.is_contiguous()  # .to keeps the fp32 strides
+    use_decode_layout(copy)
+    assert all(m.weight.is_contiguous() for m in copy.modules() if isinstance(m, torch.nn.Linear))
+    assert (copy.output.weight is copy.tok_embeddings.weight) == copy.args.tie_embeddings
