@@ -22,6 +22,7 @@ class Output:
     tokens: list[int]  # new tokens only
     wall_s: float
     tau: float | None = None  # new tokens per target forward (chain methods)
+    accepted: list[int] | None = None  # chain methods: the bottom link's accepted drafts per verification
 
 
 Runner = Callable[[list[int], int], Output]  # (prompt_ids, seed) -> Output
@@ -150,7 +151,8 @@ def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list],
         tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
                                        generator=gen)
         wall = time.perf_counter() - t0
-        return Output(list(tokens), wall, float(stats.tau) if stats.tau is not None else None)
+        return Output(list(tokens), wall, float(stats.tau) if stats.tau is not None else None,
+                      list(stats.links[-1].accepted))
     return run
 
 

@@ -45,9 +45,9 @@ def _f(x, fmt: str) -> str:
 
 
 def _rows(doc: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["method", "tokens/s", "speedup", "median", "tau", "identical", "predicted"]
+    head = ["method", "tokens/s", "speedup", "median", "tau", "accept", "identical", "predicted"]
     rows = [[m, _f(v["tokens_per_s"], ".2f"), _f(v["speedup"], ".2f") + "x",
-             _f(v.get("median_speedup"), ".2f") + "x", _f(v["tau"], ".2f"),
+             _f(v.get("median_speedup"), ".2f") + "x", _f(v["tau"], ".2f"), _f(v.get("accept_len"), ".2f"),
              v["identical_to_vanilla"] or "n/a", _f(v["predicted_speedup"], ".2f")]
             for m, v in doc["methods"].items()]
     return head, rows
@@ -56,11 +56,13 @@ def _rows(doc: dict) -> tuple[list[str], list[list[str]]]:
 def _cat_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
     methods = list(doc["methods"])
     cats = list(next(iter(doc["methods"].values()))["per_category"]) if methods else []
-    head = ["category", "n"] + [f"{m} speedup" for m in methods]
+    drafts = [m for m in methods if doc["methods"][m].get("accept_len") is not None]
+    head = ["category", "n"] + [f"{m} speedup" for m in methods] + [f"{m} accept" for m in drafts]
     rows = []
     for c in cats:
         per = [doc["methods"][m]["per_category"][c] for m in methods]
-        rows.append([c, str(per[0]["prompts"])] + [_f(p["speedup"], ".2f") + "x" for p in per])
+        rows.append([c, str(per[0]["prompts"])] + [_f(p["speedup"], ".2f") + "x" for p in per]
+                    + [_f(doc["methods"][m]["per_category"][c].get("accept_len"), ".2f") for m in drafts])
     return head, rows
 
 
@@ -90,7 +92,8 @@ def markdown(doc: dict) -> str:
         f"temperature {c.get('temperature')}, seed {c.get('seed')}, warm-up {c.get('warmup')}.", "",
         "tokens/s = total new tokens / total wall time (prefill included); speedup against vanilla "
         "(our decoder) on the same prompts; median = median over prompts of the per-prompt speedup "
-        "(robust to machine noise); tau = new tokens per target forward; identical = prompts "
+        "(robust to machine noise); tau = new tokens per target forward; accept = the bottom drafter's "
+        "mean accepted length per verification by the level above (accepted drafts + 1); identical = prompts "
         "whose tokens equal vanilla's (greedy only).", "",
         _md(*_rows(doc)), "", "## Per category", "", _md(*_cat_rows(doc)), "",
     ]

@@ -26,6 +26,7 @@ class Record:
     wall_s: float
     tau: float | None
     tokens: list[int]
+    accepted: list[int] | None = None  # bottom link: accepted drafts per verification (chains)
 
 
 def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, list[int]]],
@@ -52,7 +53,7 @@ def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, lis
                 bar.set_postfix_str(f"{cat} {name}")
                 out: Output = runners[name](ids, seed + i)
                 records.append(Record(name, qid, cat, len(ids), len(out.tokens), out.wall_s, out.tau,
-                                      list(out.tokens)))
+                                      list(out.tokens), out.accepted))
                 bar.update()
     finally:
         bar.close()
@@ -68,7 +69,10 @@ def _group(records: list[Record], reference: dict, greedy: bool) -> dict:
     tau = (sum(r.new_tokens for r in taus) / sum(r.new_tokens / r.tau for r in taus)
            if taus and len(taus) == len(records) else None)
     same = sum(r.tokens == reference[(r.question_id, r.category)].tokens for r in records)
+    acc = [a for r in records for a in (r.accepted or [])]
     return {"tokens_per_s": tps, "tau": tau,
+            # the bottom drafter's mean accepted length: accepted drafts + 1 per verification
+            "accept_len": 1 + sum(acc) / len(acc) if acc else None,
             "identical_to_vanilla": f"{same}/{len(records)}" if greedy else None,
             "new_tokens": tokens, "wall_s": wall, "prompts": len(records)}
 

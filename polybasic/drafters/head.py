@@ -2,7 +2,11 @@
 
 Row p of the head reads the embedding of token x_{p+1} and the base model's feature f_p (last
 hidden state before the final norm), fuses them with a linear layer (2E -> E), runs ONE decoder
-block at position p and predicts the next feature f_{p+1}; the base model's FROZEN final norm and
+block at position p and predicts the next feature f_{p+1}. Two options (on by default) make it learn
+faster on small models whose features carry a few huge outlier dimensions (SmolLM2: rms ~30, some
+dims ~1000): RMS-normalised inputs to the fuse layer (as EAGLE-3 does), and a residual path that
+carries f_p itself into the block, so the head starts from "f_{p+1} = f_p" with the outliers in
+place and learns the change. The base model's FROZEN final norm and
 LM head turn it into logits for x_{p+2}. Embedding, norm and LM head are the base model's, shared
 and never saved in the head's checkpoint. At inference the head runs autoregressively on its own
 predicted features.
@@ -20,9 +24,9 @@ from torch import Tensor, nn
 
 from polybasic.errors import ConfigError, check
 from polybasic.models.args import ModelArgs
-from polybasic.models.llama import Block, KVCache, Transformer
+from polybasic.models.llama import Block, KVCache, RMSNorm, Transformer
 
-DRAFTER_VERSION = 1
+DRAFTER_VERSION = 2
 
 
 @dataclass
@@ -40,6 +44,8 @@ class DrafterConfig:
     max_seq_len: int = 2048
     fc_bias: bool = True
     draft_vocab_size: int = 0  # > 0: draft over the N most frequent target tokens only (EAGLE-3)
+    input_norms: bool = True  # RMSNorm the embedding and the feature before the fuse layer
+    feature_residual: bool = True  # the block's input is f_p + fc(...), not fc(...) alone
     version: int = DRAFTER_VERSION
 
     def __post_init__(self) -> None:
@@ -109,6 +115,13 @@ class EagleHead(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=cfg.fc_bias)
+        if cfg.input_norms:
+            self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.fnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.feature_residual:  # start exactly at "f_{p+1} = f_p" through the residual path
+            nn.init.zeros_(self.fc.weight)
+            if self.fc.bias is not None:
+                nn.init.zeros_(self.fc.bias)
         self.layer = Block(cfg.block_args())
         self.layer.attention.kv_cache = _NoCache()
         self.max_cache = 0
@@ -117,6 +130,21 @@ class EagleHead(nn.Module):
         else:
             self.d2t = None
         object.__setattr__(self, "base", None)  # not a submodule: never saved, never trained
+        object.__setattr__(self, "_draft_head", {})  # (base head, dtype, ...) -> LM head rows drafted over
+
+    @torch.no_grad()
+    def init_from_base(self, base: Transformer, layer: int = -1) -> "EagleHead":
+        """Start the block from one of the base's decoder layers (the last by default; quantized
+        linears contribute their dequantized weights)."""
+        src = base.layers[layer]
+        for name, p in self.layer.named_parameters():
+            mod_name, _, attr = name.rpartition(".")
+            mod = src.get_submodule(mod_name)
+            w = getattr(mod, attr, None)
+            if not isinstance(w, Tensor):  # a quantized linear
+                w = mod.dequantized_weight(torch.float32)
+            p.copy_(w.to(p.dtype))
+        return self
 
     def bind(self, base: Transformer) -> "EagleHead":
         if base.args.dim != self.cfg.dim:
@@ -150,7 +178,12 @@ class EagleHead(nn.Module):
             raise ConfigError(f"sequence length: {start + m} rows exceed the head's cache of {self.max_cache}; "
                               "call setup_caches with a larger max_seq_len")
         emb = self.base.tok_embeddings(tokens).to(feats.dtype)  # [B, M, E]
-        x = self.fc(torch.cat((emb, feats), dim=-1))  # [B, M, E]
+        f = feats
+        if self.cfg.input_norms:
+            emb, f = self.enorm(emb), self.fnorm(feats)
+        x = self.fc(torch.cat((emb, f), dim=-1))  # [B, M, E]
+        if self.cfg.feature_residual:
+            x = x + feats
         cos, sin = _rope(self.cfg, start, start + m, x.device, x.dtype)  # [M, 1, D]
         mask = None
         if m > 1 and start > 0:
@@ -168,9 +201,17 @@ class EagleHead(nn.Module):
         """Predicted features [..., E] -> logits [..., N] through the base's frozen norm and LM head
         (N = V, or the rows of the draft vocabulary only)."""
         h = self.base.norm(hidden)
-        if self.d2t is None:
-            return self.base.output(h)
-        return torch.nn.functional.linear(h, self.base.output.weight[self.d2t])
+        out = self.base.output
+        if self.d2t is None and isinstance(getattr(out, "weight", None), Tensor):
+            return out(h)
+        key = (id(out), h.dtype, h.device, None if self.d2t is None else (self.d2t.data_ptr(), self.d2t._version))
+        if key not in self._draft_head:  # build the rows once per dtype, not per call
+            w = out.weight if isinstance(getattr(out, "weight", None), Tensor) else out.dequantized_weight(h.dtype)
+            rows = w if self.d2t is None else w[self.d2t]  # [N, E]
+            if len(self._draft_head) >= 4:
+                self._draft_head.clear()
+            self._draft_head[key] = rows.to(h.dtype).contiguous()
+        return torch.nn.functional.linear(h, self._draft_head[key])
 
     def to_full(self, probs: Tensor) -> Tensor:
         """Draft-vocabulary probabilities [..., N] -> full-vocabulary [..., V] (zero elsewhere)."""

@@ -2,7 +2,10 @@
 
 Loss (EAGLE): v_weight * smooth-L1(predicted feature, base feature) + p_weight * cross-entropy of
 the head's logits against the base's next-token distribution (soft targets), on answer tokens.
-The head reads the base's features plus uniform noise. The base model is frozen and deliberately
+Both feature sides are divided by the base feature's RMS per token, so the regression has the
+same scale whatever the base (SmolLM2's raw features have RMS ~30). The head may read the base's
+features plus uniform noise (EAGLE), scaled the same way. Features come from the batch (cached
+shards) or from a base forward per step. The base model is frozen and deliberately
 NOT a registered submodule: it is not checkpointed, not wrapped by DDP, never broadcast.
 """
 from __future__ import annotations
@@ -28,9 +31,12 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     v_weight: float = 1.0
-    p_weight: float = 0.1
-    noise_std: float = 0.2  # EAGLE's uniform feature noise, scaled by 512 / sequence length
+    p_weight: float = 1.0
+    noise_std: float = 0.0  # uniform feature noise of this width, times the feature's RMS
     grad_clip: float = 0.5
+    warmup_steps: int = 50  # linear warm-up, then linear decay to 5% of lr at the last step
+    prompt_loss: bool = False  # also learn on prompt positions (more data per sequence)
+    init_from_base: bool = True  # start the head's block from the base's last decoder layer
     batch_size: int = 4
     max_len: int = 1024
     max_epochs: int = 1
@@ -63,6 +69,8 @@ class DistillModule(L.LightningModule):
             self.head.set_draft_vocab(draft_vocab)
         object.__setattr__(self, "base", base.requires_grad_(False).eval())
         self.head.bind(base)
+        if cfg.init_from_base:
+            self.head.init_from_base(base)
         self.losses: list[float] = []
 
     def on_fit_start(self) -> None:
@@ -71,29 +79,33 @@ class DistillModule(L.LightningModule):
     def losses_for(self, batch: dict, noise: bool = True) -> dict[str, torch.Tensor]:
         tokens, mask = batch["tokens"], batch["mask"]  # [B, T], [B, T]
         b, t = tokens.shape
-        with torch.no_grad():
-            self.base.setup_caches(t, b)
-            logits, hidden = self.base(tokens, 0)  # [B, T, V], [B, T, E]
+        if "feats" in batch:  # cached features
+            hidden = batch["feats"].float()  # [B, T, E]
+        else:
+            with torch.no_grad():
+                self.base.setup_caches(t, b)
+                hidden = self.base(tokens, 0)[1].float()  # [B, T, E]
         f = hidden[:, :-1]  # [B, T-1, E] features f_p
         if noise and self.cfg.noise_std > 0:
             g = torch.Generator(device="cpu").manual_seed(
                 self.cfg.seed * 1_000_003 + self.global_step * 101 + self.global_rank)
             u = torch.rand(f.shape, generator=g).to(f.device, f.dtype)
-            f = f + (u - 0.5) * self.cfg.noise_std * 512 / t
-        out = self.head(tokens[:, 1:], f, 0)  # [B, T-1, E] predicted f_{p+1}
-        m = mask[:, 1:].to(out.dtype)  # [B, T-1]
+            f = f + (u - 0.5) * self.cfg.noise_std * _rms(f)
+        out = self.head(tokens[:, 1:], f.to(self.head.fc.weight.dtype), 0)  # [B, T-1, E] predicted f_{p+1}
+        nxt = hidden[:, 1:]  # [B, T-1, E] the base's f_{p+1}
+        m = mask[:, 1:].to(torch.float32)  # [B, T-1]
         denom = m.sum().clamp_min(1.0)
-        vloss = (F.smooth_l1_loss(out, hidden[:, 1:], reduction="none").mean(-1) * m).sum() / denom
-        target = logits[:, 1:].float().softmax(-1)  # [B, T-1, V]
-        if self.head.d2t is not None:  # the base's mass on the draft vocabulary, renormalised
-            target = target[..., self.head.d2t]
-            target = target / target.sum(-1, keepdim=True).clamp_min(1e-12)  # [B, T-1, N]
+        r = _rms(nxt)  # [B, T-1, 1]
+        vloss = (F.smooth_l1_loss(out.float() / r, nxt / r, reduction="none").mean(-1) * m).sum() / denom
+        with torch.no_grad():  # the base's distribution (renormalised on the draft vocabulary, if any)
+            target = self.head.logits(nxt).float().softmax(-1)  # [B, T-1, N]
         logp = self.head.logits(out).float().log_softmax(-1)  # [B, T-1, N]
         ploss = (-(target * logp).sum(-1) * m).sum() / denom
         with torch.no_grad():
             acc = ((logp.argmax(-1) == target.argmax(-1)).to(m.dtype) * m).sum() / denom
+            ent = (-(target * target.clamp_min(1e-30).log()).sum(-1) * m).sum() / denom
         loss = self.cfg.v_weight * vloss + self.cfg.p_weight * ploss
-        return {"loss": loss, "vloss": vloss, "ploss": ploss, "acc": acc}
+        return {"loss": loss, "vloss": vloss, "ploss": ploss, "kl": ploss.detach() - ent, "acc": acc}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -105,8 +117,21 @@ class DistillModule(L.LightningModule):
         return out["loss"]
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.head.parameters(), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
-                                 weight_decay=self.cfg.weight_decay)
+        opt = torch.optim.AdamW(self.head.parameters(), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
+                                weight_decay=self.cfg.weight_decay)
+        total = int(self.trainer.estimated_stepping_batches)  # the recipe's horizon, even when a
+        if self.cfg.max_steps <= 0 and self.trainer.max_epochs:  # run is told to stop early
+            total = total // self.trainer.max_epochs * self.cfg.max_epochs
+        total = max(1, total)
+        warm = max(1, self.cfg.warmup_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warm) * max(0.05, 1.0 - s / total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """Per-token RMS [..., 1] (no gradient): the scale features are measured in."""
+    return x.detach().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
 
 
 class HeadExport(L.Callback):
@@ -171,6 +196,10 @@ def build_trainer(cfg: TrainConfig, out_dir: str | Path, **overrides) -> L.Train
               enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
               deterministic=False)
     kw.update(overrides)
+    if kw.get("enable_progress_bar"):  # tqdm: loss, acc and ETA, also readable in a log file
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        kw["callbacks"] = kw["callbacks"] + [TQDMProgressBar(refresh_rate=5)]
     return L.Trainer(**kw)
 
 
@@ -178,9 +207,9 @@ def train_dataloader(dataset, cfg: TrainConfig):
     """Seeded per-epoch order, sharded over DDP ranks at iteration time."""
     from polybasic.drafters.data import EpochSampler, collate
 
-    sampler = EpochSampler(len(dataset), cfg.seed)
+    sampler = EpochSampler(len(dataset), cfg.seed, [len(s.tokens) for s in dataset.samples], cfg.batch_size)
     return torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                                       collate_fn=lambda b: collate(b, cfg.max_len))
+                                       collate_fn=lambda b: collate(b, cfg.max_len, cfg.prompt_loss))
 
 
 def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str | Path,

@@ -76,7 +76,7 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int) -> Tensor:
-        """x [B, M, E]; cos, sin [M, 1, D] with sin sign-folded; mask [M, start+M], or None for
+        """x [B, M, E]; cos, sin [M, 1, D] with sin sign-folded; mask [M, start+M] or [B, 1, M, start+M], or None for
         M=1 (sees everything) and for a prefill from 0 (plain causal)."""
         bsz, m, _ = x.shape
         h, g = self.n_heads, self.n_kv
@@ -85,9 +85,12 @@ class Attention(nn.Module):
         q = qk[:, :, :h].transpose(1, 2)  # [B, H, M, D]
         k, v = self.kv_cache.update(start, qk[:, :, h:].transpose(1, 2),
                                     qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m > 1 and mask is None,
-                                           enable_gqa=h != g)  # [B, H, M, D]
-        return self.wo(y.transpose(1, 2).reshape(bsz, m, h * self.head_dim))
+        if m == 1 and mask is None and h != g:  # decode: the H/G query heads of a kv head as rows
+            y = F.scaled_dot_product_attention(q.reshape(bsz, g, h // g, self.head_dim), k, v)  # [B, G, H/G, D]
+        else:  # (one token sees every cached row; no K/V copies per query head)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m > 1 and mask is None,
+                                               enable_gqa=h != g)  # [B, H, M, D]
+        return self.wo(y.reshape(bsz, h, m, self.head_dim).transpose(1, 2).reshape(bsz, m, h * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -159,8 +162,13 @@ class Transformer(nn.Module):
         self.register_buffer("causal_mask", causal, persistent=False)
         self.max_seq_len = max_seq_len
 
-    def forward(self, tokens: Tensor, start: int, last_only: bool = False) -> tuple[Tensor, Tensor]:
+    def forward(self, tokens: Tensor, start: int, last_only: bool = False,
+                key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """tokens [B, M] at positions start..start+M-1.
+
+        key_mask [B, S'] (S' >= start+M, bool): cache rows each sequence may attend to, for
+        left-padded batches (False on the padding). RoPE is relative, so a row padded by n slots
+        scores exactly as if it started at slot 0.
 
         Returns logits [B, M, V] (or [B, 1, V] with last_only) and the last layer's hidden states
         before the final norm, [B, M, E] (the features EAGLE-style drafters read).
@@ -172,6 +180,9 @@ class Transformer(nn.Module):
                               "call setup_caches with a larger max_seq_len")
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # [M, 1, D]
         mask = None if m == 1 or start == 0 else self.causal_mask[start:end, :end]  # [M, start+M]
+        if key_mask is not None:
+            keys = key_mask[:, None, None, :end]  # [B, 1, 1, start+M]
+            mask = keys & self.causal_mask[start:end, :end] if m > 1 else keys  # [B, 1, M, start+M]
         x = self.tok_embeddings(tokens)  # [B, M, E]
         for layer in self.layers:
             x = layer(x, cos, sin, mask, start)

@@ -140,12 +140,31 @@ def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = 
     from transformers import AutoConfig
 
     dt = parse_dtype(dtype)
+    if str(source).endswith(".safetensors"):
+        return load_quantized_model(source, device)
     folder = resolve_hf_folder(source)
     args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(folder))
     model = build_model(args, hf_to_lean_state_dict(read_state_dict(folder), args), dt, device)
     if dt == torch.float32 and torch.device(device).type == "cpu":
         use_decode_layout(model)  # faster few-token matmuls on CPU (see use_decode_layout)
     return LoadedModel(model, load_tokenizer(folder), args, source, folder)
+
+
+def load_quantized_model(path: str, device: str = "cpu") -> LoadedModel:
+    """A quantized copy written by `polybasic quantize`, with the tokenizer of the model it was
+    made from (recorded in its metadata); it runs in the dtype and kernels it was saved with."""
+    from transformers import AutoConfig
+
+    from polybasic.quant.api import load_quantized, quant_header
+
+    base = quant_header(path).get("source", "")
+    if not base:
+        raise ConfigError(f"model: {path} does not record the model it was quantized from (written by an "
+                          "older polybasic); re-run `polybasic quantize RECIPE.yaml`")
+    folder = resolve_hf_folder(base)
+    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(folder))
+    model = load_quantized(path, lambda: Transformer(args), device=device)
+    return LoadedModel(model, load_tokenizer(folder), args, str(path), folder)
 
 
 def load_hf_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

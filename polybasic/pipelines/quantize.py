@@ -195,7 +195,7 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
     q, cal = recipe.quantize, recipe.quantize.calib
     qconf = replace(cal.quant_config(q.kernel), quantize_lm_head=q.quantize_lm_head)
     main = build_quantized_model(fp, res, qconf, parse_dtype(q.exec_dtype))
-    save_quantized(main, out / "model.safetensors", qconf)
+    save_quantized(main, out / "model.safetensors", qconf, recipe.model.source)
     dep_ppl, dep_agree, _ = evaluate(main, eval_tok, fp_argmax)
     cached = out / "work" / f"latency-{_fingerprint(to_dict(recipe))}.json"
     if cached.is_file():

@@ -82,8 +82,10 @@ def quantized_modules(model: nn.Module) -> dict[str, str]:
     return {fqn: m.kernel for fqn, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfig) -> Path:
-    """Write model's state dict + config to one safetensors file, atomically (tmp + os.replace)."""
+def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfig, source: str = "") -> Path:
+    """Write model's state dict + config to one safetensors file, atomically (tmp + os.replace).
+    source: the float model's source (short name, folder, ...), so `load_model(path)` finds its
+    architecture and tokenizer."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -97,7 +99,8 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfi
         tensors[name] = t.detach().contiguous().cpu()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     meta = {"format": FORMAT, "quant_config": json.dumps(config.to_dict()), "dtype": str(dtype),
-            "modules": json.dumps(quantized_modules(model)), "aliases": json.dumps(aliases)}
+            "modules": json.dumps(quantized_modules(model)), "aliases": json.dumps(aliases),
+            "source": source}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
@@ -108,9 +111,8 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfi
     return path
 
 
-def read_quant_metadata(path: str | os.PathLike
-                        ) -> tuple[QuantConfig, dict[str, str], dict[str, str], torch.dtype]:
-    """(config, {module: kernel at save time}, {alias: stored name}, model dtype) from the header."""
+def quant_header(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a polybasic quantized checkpoint (errors name the problem)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -121,6 +123,13 @@ def read_quant_metadata(path: str | os.PathLike
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path}: not a polybasic quantized checkpoint (metadata format="
                           f"{meta.get('format')!r}); save it with save_quantized")
+    return meta
+
+
+def read_quant_metadata(path: str | os.PathLike
+                        ) -> tuple[QuantConfig, dict[str, str], dict[str, str], torch.dtype]:
+    """(config, {module: kernel at save time}, {alias: stored name}, model dtype) from the header."""
+    meta = quant_header(path)
     return (QuantConfig.from_dict(json.loads(meta["quant_config"])), json.loads(meta["modules"]),
             json.loads(meta["aliases"]), getattr(torch, meta.get("dtype", "torch.float32").split(".")[-1]))
 

@@ -130,6 +130,7 @@ class Int4PackLinear(QuantLinear):
     """tinygemm layout: w = (u - 8) * s + z with u = q + 8 in [0, 15]; so s = scale, z = -zero*scale."""
 
     kernel = "int4pack"
+    gemm_rows = 256  # CPU: from this many rows on (measured: 256-token prefill 446 -> 340 ms), dequantize to x.dtype and run one GEMM (AMX)
 
     @classmethod
     def check_shape(cls, in_features, out_features, config, device, name):
@@ -174,7 +175,9 @@ class Int4PackLinear(QuantLinear):
         if self.scales_and_zeros.dtype != x.dtype:  # rebuild once per dtype change, from fp32 scales
             self.scales_and_zeros = self._scales_and_zeros(x.dtype)
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if x.device.type == "cuda":
+        if x.device.type == "cpu" and x2.shape[0] >= self.gemm_rows and x.dtype != torch.float32:
+            y = F.linear(x2, self.dequantized_weight(x.dtype))  # prefill: a bf16 GEMM beats the kernel
+        elif x.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,

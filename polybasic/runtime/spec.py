@@ -4,7 +4,9 @@
   SOURCE[@DTYPE]         any model source load_model accepts (short name, .gguf, HF folder, Hub id)
   target@DTYPE           the target's own weights in another dtype (e.g. a bf16 copy)
   PATH.safetensors       a quantized copy of the target written by `polybasic quantize`
-Example: "target@bfloat16+ngram" (three levels with the target on top).
+  eagle:PATH             an EAGLE drafter head (`polybasic distill`) drafting on the features of
+                         the level just above it (which must be a model)
+Examples: "target@bfloat16+ngram" (three levels with the target on top), "eagle:runs/x/head.safetensors".
 """
 from __future__ import annotations
 
@@ -13,10 +15,19 @@ from polybasic.models.loader import DTYPES, LoadedModel, load_model
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 
 
-def parse_level(item: str, target: LoadedModel, device: str = "cpu") -> Level:
+def parse_level(item: str, target: LoadedModel, above: Level, device: str = "cpu") -> Level:
+    """One level from its spelling; `above` is the level it drafts for."""
     item = item.strip()
     if not item:
         raise ConfigError("chain: empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
+    if item.startswith("eagle:"):
+        from polybasic.drafters.head import load_head
+        from polybasic.drafters.level import EagleLevel
+
+        if not isinstance(above, ModelLevel):
+            raise ConfigError(f"chain: '{item}' drafts on the features of the level above it, but "
+                              f"'{above.name}' is not a model; put the head right below a model level")
+        return EagleLevel(load_head(item[len("eagle:"):], above.model), above, name=item)
     if item == "ngram" or item.startswith("ngram:"):
         n = item.partition(":")[2] or "3"
         if not n.isdigit():
@@ -44,5 +55,7 @@ def parse_chain(spec: str, target: LoadedModel, device: str = "cpu") -> list[Lev
         items = items[1:]
     if not items:
         raise ConfigError(f"chain: '{spec}' names no level below the target; e.g. 'target@bf16+ngram'")
-    top = ModelLevel(target.model, name="target", tokenizer=target.tokenizer)
-    return [top] + [parse_level(item, target, device) for item in items]
+    levels: list[Level] = [ModelLevel(target.model, name="target", tokenizer=target.tokenizer)]
+    for item in items:
+        levels.append(parse_level(item, target, levels[-1], device))
+    return levels

@@ -50,6 +50,17 @@ def test_summary_math():
     assert x["tau"] == pytest.approx(2.0) and x["prompts"] == 1
 
 
+def test_bottom_link_accepted_length():
+    v = [rec("vanilla", 1, "x", 4, 1.0), rec("vanilla", 2, "y", 4, 1.0)]
+    m = [rec("m", 1, "x", 4, 1.0, tau=2.0), rec("m", 2, "y", 4, 1.0, tau=1.0)]
+    m[0].accepted, m[1].accepted = [3, 0, 1], [0]  # accepted drafts per verification
+    s = summarize(v + m, greedy=True)
+    assert s["m"]["accept_len"] == pytest.approx(1 + 4 / 4)  # pooled over verifications, +1 bonus
+    assert s["m"]["per_category"]["x"]["accept_len"] == pytest.approx(1 + 4 / 3)
+    assert s["m"]["per_category"]["y"]["accept_len"] == pytest.approx(1.0)
+    assert s["vanilla"]["accept_len"] is None
+
+
 def test_sampling_has_no_identity_count():
     s = summarize([rec("vanilla", 1, "x", 3, 1.0), rec("m", 1, "x", 3, 1.0)], greedy=False)
     assert s["m"]["identical_to_vanilla"] is None

@@ -17,12 +17,13 @@ def test_distill_stage(tmp_path):
     sec = section_from_dict({"data": str(data), "max_new_tokens": 8,
                              "train": {"batch_size": 2, "max_epochs": 1, "lr": 1e-3}})
     lm = load_model(str(tmp_path / "m"))
-    m = run_distill(lm, sec, tmp_path / "out", accelerator="cpu")
+    m = run_distill(lm, sec, tmp_path / "out", accelerator="cpu")["target"]
     assert len(m.losses) == 4
     assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 8
-    load_head(tmp_path / "out" / "head.safetensors", lm.model)
+    assert len(list((tmp_path / "out" / "target" / "features").glob("*.safetensors"))) == 1
+    load_head(tmp_path / "out" / "target" / "head.safetensors", lm.model)
     sec.train.max_epochs = 2
-    assert len(run_distill(lm, sec, tmp_path / "out", accelerator="cpu").losses) == 4  # resumed: epoch 2 only
+    assert len(run_distill(lm, sec, tmp_path / "out", accelerator="cpu")["target"].losses) == 4  # resumed: epoch 2
 
 
 def test_section_errors():
@@ -32,6 +33,10 @@ def test_section_errors():
         section_from_dict({"data": "../shared/data/spec_bench/question.jsonl"})
     with pytest.raises(ConfigError, match="distill: unknown field"):
         section_from_dict({"epochs": 3})
+    with pytest.raises(ConfigError, match="distill.drafters"):
+        section_from_dict({"drafters": ["target", "draft"]})
+    with pytest.raises(ConfigError, match="distill.features"):
+        section_from_dict({"features": "disk"})
 
 
 def test_distill_command_runs_a_recipe(tmp_path):
@@ -49,8 +54,8 @@ def test_distill_command_runs_a_recipe(tmp_path):
     path.write_text(yaml.safe_dump(recipe))
     assert main(["distill", str(path)]) == 0
     out = tmp_path / "run" / "distill"
-    assert (out / "head.safetensors").is_file() and (out / "recipe.yaml").is_file()
-    load_head(out / "head.safetensors", load_model(str(tmp_path / "m")).model)
+    assert (out / "target" / "head.safetensors").is_file() and (out / "recipe.yaml").is_file()
+    load_head(out / "target" / "head.safetensors", load_model(str(tmp_path / "m")).model)
     recipe["distill"]["data"] = str(tmp_path / "missing.json")
     path.write_text(yaml.safe_dump(recipe))
     assert main(["distill", str(path)]) == 2  # clear error, before any model loads

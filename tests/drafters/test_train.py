@@ -19,10 +19,12 @@ def world():
     return base, DistillDataset(tiny_samples(base), 64)
 
 
-def run(world, out, epochs, **kw):
+def run(world, out, epochs, stop_after=None, **kw):
+    """Train for `epochs`; stop_after=N interrupts the same run after N epochs."""
     base, ds = world
     cfg = TrainConfig(lr=3e-3, batch_size=2, max_epochs=epochs, **kw)
-    return fit(base, ds, DrafterConfig.for_base(base.args), cfg, out, accelerator="cpu")
+    return fit(base, ds, DrafterConfig.for_base(base.args), cfg, out, accelerator="cpu",
+               max_epochs=stop_after or epochs)
 
 
 def test_loss_goes_down_and_checkpoint_reloads(world, tmp_path):
@@ -37,7 +39,7 @@ def test_loss_goes_down_and_checkpoint_reloads(world, tmp_path):
 
 def test_resume_continues_exactly(world, tmp_path):
     full = run(world, tmp_path / "full", 4).losses
-    part = run(world, tmp_path / "part", 2).losses
+    part = run(world, tmp_path / "part", 4, stop_after=2).losses  # interrupted at the end of epoch 2
     rest = run(world, tmp_path / "part", 4).losses  # resumes from last.ckpt (end of epoch 2)
     assert part == full[:8]
     assert rest == pytest.approx(full[8:], rel=1e-6, abs=1e-7)

@@ -172,3 +172,26 @@ def test_load_into_the_wrong_architecture(base, tmp_path):
     other = ModelArgs.from_dict({**base.args.to_dict(), "n_layers": 1})
     with pytest.raises(ConfigError, match="build the architecture the checkpoint was saved from"):
         load_quantized(path, lambda: Transformer(other))
+
+
+def test_quantized_copy_is_a_model_source(tmp_path):
+    """load_model(copy.safetensors) rebuilds the copy with the tokenizer of the model it came from;
+    the chain spec can then put a drafter head under it."""
+    from polybasic.errors import ConfigError
+    from polybasic.models import load_model
+    from tests.helpers import tiny_hf_folder
+
+    tiny_hf_folder(tmp_path / "m", vocab=64)
+    lm = load_model(str(tmp_path / "m"))
+    q = quantize_(copy.deepcopy(lm.model), W4A16)
+    save_quantized(q, tmp_path / "q.safetensors", W4A16, source=str(tmp_path / "m"))
+    got = load_model(str(tmp_path / "q.safetensors"))
+    assert set(quantized_modules(got.model)) == set(quantized_modules(q))
+    assert got.tokenizer.get_vocab() == lm.tokenizer.get_vocab() and got.args == lm.args
+    ids = torch.tensor([[3, 5, 7]])
+    with torch.inference_mode():
+        q.setup_caches(8), got.model.setup_caches(8)
+        assert torch.equal(q(ids, 0)[0], got.model(ids, 0)[0])
+    save_quantized(q, tmp_path / "old.safetensors", W4A16)  # no source recorded
+    with pytest.raises(ConfigError, match="re-run `polybasic quantize"):
+        load_model(str(tmp_path / "old.safetensors"))

@@ -38,3 +38,22 @@ def test_quantized_copy_level(target, tmp_path):
 def test_bad_specs(target, spec, match):
     with pytest.raises(ConfigError, match=match):
         parse_chain(spec, target)
+
+
+def test_eagle_head_level(target, tmp_path):
+    """`eagle:PATH` drafts on the features of the model level right above it; greedy stays exact."""
+    import torch
+
+    from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
+    from polybasic.drafters.level import EagleLevel
+
+    torch.manual_seed(0)
+    save_head(tmp_path / "h.safetensors", EagleHead(DrafterConfig.for_base(target.args)).init_from_base(target.model))
+    levels = parse_chain(f"target@bfloat16+eagle:{tmp_path / 'h.safetensors'}", target)
+    assert [type(lv) for lv in levels] == [ModelLevel, ModelLevel, EagleLevel]
+    assert levels[2].base is levels[1]  # the head reads the bf16 copy's features
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    out, _ = Chain(parse_chain(f"eagle:{tmp_path / 'h.safetensors'}", target), k=4).generate(prompt, 24)
+    assert out == list(generate_tokens(target.model, prompt, 24))
+    with pytest.raises(ConfigError, match="not a model"):
+        parse_chain(f"ngram+eagle:{tmp_path / 'h.safetensors'}", target)
