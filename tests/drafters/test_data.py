@@ -61,3 +61,40 @@ def test_self_distill_answers_are_the_base_models(tmp_path):
     batch = collate(samples)
     assert batch["tokens"].shape == batch["mask"].shape
     assert batch["mask"][0, :len(ids)].sum() == 0 and batch["mask"][0, len(ids):].sum() == 8
+
+
+def test_features_batched_equal_single_and_shards_round_trip(tmp_path):
+    """Right-padded batched prefills give each sequence's own hidden states (to bf16 rounding),
+    and a shard stores tokens, prompt lengths and features exactly."""
+    import torch
+
+    from polybasic.drafters.data import Sample, compute_features, load_feature_shard, save_feature_shard
+    from polybasic.drafters.train_smoke import tiny_base
+
+    base = tiny_base()
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(2, 64, (n,), generator=g).tolist(), 2) for n in (5, 9, 3, 12, 7)]
+    feats = compute_features(base, samples, batch_tokens=24)
+    for s, f in zip(samples, feats):
+        with torch.inference_mode():
+            base.setup_caches(len(s.tokens), 1)
+            ref = base(torch.tensor([s.tokens]), 0)[1][0]  # [T, E]
+        assert f.dtype == torch.bfloat16 and torch.equal(f, ref.to(torch.bfloat16))
+    path = tmp_path / "shard.safetensors"
+    save_feature_shard(path, [Sample(s.tokens, s.n_prompt, f) for s, f in zip(samples, feats)])
+    back = load_feature_shard(path)
+    assert [(b.tokens, b.n_prompt) for b in back] == [(s.tokens, s.n_prompt) for s in samples]
+    assert all(torch.equal(b.feats, f) for b, f in zip(back, feats))
+
+
+def test_pairs_carry_reference_answers(tmp_path):
+    from polybasic.drafters.data import load_pairs, reference_samples
+
+    assert load_pairs(write(tmp_path, "a.json", ALPACA)) == [("w1 w2\n\nw3", "x"), ("w4", "y")]
+    assert load_pairs(write(tmp_path, "s.json", SHAREGPT)) == [("w5 w6", "z")]
+    tok = word_tokenizer(64)
+    refs = reference_samples(tok, [("w1 w2", "w7 w8"), ("w4", None)], max_len=64)
+    assert len(refs) == 1  # no answer, no sample
+    prompt = encode_prompt(tok, "w1 w2")
+    assert refs[0].n_prompt == len(prompt) and refs[0].tokens[:len(prompt)] == prompt
+    assert len(refs[0].tokens) > len(prompt)
