@@ -202,11 +202,12 @@ class EagleHead(nn.Module):
         (N = V, or the rows of the draft vocabulary only)."""
         h = self.base.norm(hidden)
         out = self.base.output
-        if self.d2t is None and isinstance(getattr(out, "weight", None), Tensor):
+        plain = isinstance(getattr(out, "weight", None), Tensor)  # not a quantized linear
+        if self.d2t is None and plain:
             return out(h)
         key = (id(out), h.dtype, h.device, None if self.d2t is None else (self.d2t.data_ptr(), self.d2t._version))
         if key not in self._draft_head:  # build the rows once per dtype, not per call
-            w = out.weight if isinstance(getattr(out, "weight", None), Tensor) else out.dequantized_weight(h.dtype)
+            w = out.weight if plain else out.dequantized_weight(h.dtype)
             rows = w if self.d2t is None else w[self.d2t]  # [N, E]
             if len(self._draft_head) >= 4:
                 self._draft_head.clear()

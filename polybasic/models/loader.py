@@ -135,15 +135,20 @@ def load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a lean decoder and its tokenizer (and chat template) from any supported source."""
+def _folder_and_args(source: str) -> tuple[Path, ModelArgs]:
+    """The local HF folder of a source and the lean model's args from its config."""
     from transformers import AutoConfig
 
+    folder = resolve_hf_folder(source)
+    return folder, ModelArgs.from_hf_config(AutoConfig.from_pretrained(folder))
+
+
+def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a lean decoder and its tokenizer (and chat template) from any supported source."""
     dt = parse_dtype(dtype)
     if str(source).endswith(".safetensors"):
         return load_quantized_model(source, device)
-    folder = resolve_hf_folder(source)
-    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(folder))
+    folder, args = _folder_and_args(source)
     model = build_model(args, hf_to_lean_state_dict(read_state_dict(folder), args), dt, device)
     if dt == torch.float32 and torch.device(device).type == "cpu":
         use_decode_layout(model)  # faster few-token matmuls on CPU (see use_decode_layout)
@@ -153,16 +158,13 @@ def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = 
 def load_quantized_model(path: str, device: str = "cpu") -> LoadedModel:
     """A quantized copy written by `polybasic quantize`, with the tokenizer of the model it was
     made from (recorded in its metadata); it runs in the dtype and kernels it was saved with."""
-    from transformers import AutoConfig
-
     from polybasic.quant.api import load_quantized, quant_header
 
     base = quant_header(path).get("source", "")
     if not base:
         raise ConfigError(f"model: {path} does not record the model it was quantized from (written by an "
                           "older polybasic); re-run `polybasic quantize RECIPE.yaml`")
-    folder = resolve_hf_folder(base)
-    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(folder))
+    folder, args = _folder_and_args(base)
     model = load_quantized(path, lambda: Transformer(args), device=device)
     return LoadedModel(model, load_tokenizer(folder), args, str(path), folder)
 

@@ -76,7 +76,6 @@ def _as_dtype(model, dtype: str):
     """The model itself, or a copy in `dtype` (only float models; a quantized copy runs as saved)."""
     from polybasic.models.llama import use_decode_layout
     from polybasic.models.loader import parse_dtype
-
     from polybasic.quant.linear import QuantLinear
 
     dt = parse_dtype(dtype)
@@ -117,17 +116,22 @@ def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Pat
     return out
 
 
+def _quantized_path(sec: DistillSection, run_dir: Path) -> Path:
+    """The quantized copy the `quantized` drafter learns from; a clear error when it is missing."""
+    path = Path(sec.quantized or run_dir / "model.safetensors")
+    if not path.is_file():
+        raise ConfigError(f"distill.quantized: {path} does not exist; run `polybasic quantize` on this recipe "
+                          "first, or name the quantized copy's .safetensors file")
+    return path
+
+
 def _base_for(name: str, lm, sec: DistillSection, run_dir: Path):
     """The model a drafter drafts for: the target, or its quantized copy."""
     if name == "target":
         return lm.model
     from polybasic.models.loader import load_quantized_model
 
-    path = Path(sec.quantized or run_dir / "model.safetensors")
-    if not path.is_file():
-        raise ConfigError(f"distill.quantized: {path} does not exist; run `polybasic quantize` on this recipe "
-                          "first, or name the quantized copy's .safetensors file")
-    return load_quantized_model(str(path)).model
+    return load_quantized_model(str(_quantized_path(sec, run_dir))).model
 
 
 def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False, run_dir: str | Path | None = None,
@@ -138,12 +142,12 @@ def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False
     samples = _samples(lm, sec, out, progress)
     if not samples:
         raise ConfigError(f"distill.data: {sec.data} gave no training sequences; pass a file with prompts")
+    head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size)
     modules = {}
     for name in sec.drafters:
         base = _base_for(name, lm, sec, Path(run_dir or out.parent))
         data = samples if sec.features == "online" else _with_features(base, samples, sec, out / name / "features",
                                                                        progress)
-        head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size)
         modules[name] = fit(base, DistillDataset(data, sec.train.max_len), head_cfg, sec.train, out / name,
                             **trainer_overrides)
     return modules
@@ -154,10 +158,7 @@ def check_inputs(recipe, out_dir: str | None = None) -> None:
     sec = recipe.distill
     load_pairs(sec.data, sec.limit)
     if "quantized" in sec.drafters:
-        path = Path(sec.quantized or Path(out_dir or recipe.out_dir) / "model.safetensors")
-        if not path.is_file():
-            raise ConfigError(f"distill.quantized: {path} does not exist; run `polybasic quantize` on this "
-                              "recipe first, or name the quantized copy's .safetensors file")
+        _quantized_path(sec, Path(out_dir or recipe.out_dir))
 
 
 def run(recipe_path: str, out_dir: str | None = None) -> int:
