@@ -26,6 +26,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--adaptive-k", action="store_true", help="adapt the bottom draft length (1..k)")
     p.add_argument("--thresholds", default=None,
                    help="comma-separated hand-up threshold per middle level (default k+1)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the one-token step (costs tens of seconds once, then cached)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=_cmd_generate)
 
@@ -44,6 +46,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     thresholds = _int_list(a.thresholds, "--thresholds")
     check_k(a.k)
     lm = load_model(a.model, a.dtype)
+    if a.compile:
+        lm.model.compile_decode()
     ids = encode_prompt(lm.tokenizer, a.prompt, chat=not a.no_chat)
     generator = make_generator(a.seed)
     if a.chain:

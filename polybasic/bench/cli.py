@@ -68,6 +68,9 @@ def _validate(a: argparse.Namespace):
         if value is not None and value < low:
             raise ConfigError(f"{field}: must be >= {low}, got {value}; pass --{field.replace('_', '-')} "
                               f"{low} or more")
+    if "vanilla-compiled" in methods and a.warmup < 1:
+        raise ConfigError("warmup: vanilla-compiled compiles on its first prompt, which must not be timed; "
+                          "pass --warmup 1 or more")
     if a.json_out and Path(a.json_out).is_dir():
         raise ConfigError(f"json: {a.json_out} is a folder; pass a file path such as {a.json_out}/bench.json")
     if a.report and Path(a.report).exists() and not Path(a.report).is_dir():
@@ -95,6 +98,7 @@ def run_bench_command(a: argparse.Namespace) -> int:
                        a.draft_tokens, source=a.model, adaptive_k=a.adaptive_k,
                        hf_loader=lambda: load_hf_model(a.model, a.dtype))
     prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
+    ctx.max_prompt_tokens = max(len(p) for *_, p in prompts)
     runners = {m: make_runner(m, ctx) for m in methods}
     records = run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress)
     doc = build_document(records, sampling.greedy, machine_info(a.dtype, _command_line(a)), {

@@ -39,6 +39,7 @@ class BenchContext:
     draft_tokens: int = 8  # k of the n-gram / prompt-lookup drafters
     adaptive_k: bool = False  # chains adapt the bottom draft length (Chain.adaptive_k)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
+    max_prompt_tokens: int = 0  # the longest prompt of the run (compiled runners size caches once)
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
     _hf: object = field(default=None, repr=False)
 
@@ -84,18 +85,34 @@ def make_runner(name: str, ctx: BenchContext) -> Runner:
     return METHODS[base](ctx, arg or None)
 
 
-@register("vanilla")
-def _vanilla(ctx: BenchContext, arg: str | None) -> Runner:
-    """Our lean decoder, one token per forward."""
+def _generate_runner(ctx: BenchContext, model) -> Runner:
     from polybasic.runtime.generate import generate_tokens
 
     def run(prompt_ids: list[int], seed: int) -> Output:
         gen = make_generator(seed)
         t0 = time.perf_counter()
-        tokens = list(generate_tokens(ctx.model, prompt_ids, ctx.max_new_tokens, ctx.sampling,
-                                      ctx.eos, gen))
+        tokens = list(generate_tokens(model, prompt_ids, ctx.max_new_tokens, ctx.sampling, ctx.eos, gen))
         return Output(tokens, time.perf_counter() - t0)
     return run
+
+
+@register("vanilla")
+def _vanilla(ctx: BenchContext, arg: str | None) -> Runner:
+    """Our lean decoder, one token per forward."""
+    return _generate_runner(ctx, ctx.model)
+
+
+@register("vanilla-compiled")
+def _vanilla_compiled(ctx: BenchContext, arg: str | None) -> Runner:
+    """Our lean decoder with its one-token step torch.compiled (a separate copy of the target; it
+    compiles during warm-up, with caches sized once for the longest prompt of the run)."""
+    import copy
+
+    model = copy.deepcopy(ctx.model)
+    model.compile_decode()
+    if ctx.max_prompt_tokens:
+        model.setup_caches(min(model.args.max_seq_len, ctx.max_prompt_tokens + ctx.max_new_tokens))
+    return _generate_runner(ctx, model)
 
 
 def _hf_runner(ctx: BenchContext, **extra) -> Runner:

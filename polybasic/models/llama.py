@@ -85,7 +85,11 @@ class Attention(nn.Module):
         q = qk[:, :, :h].transpose(1, 2)  # [B, H, M, D]
         k, v = self.kv_cache.update(start, qk[:, :, h:].transpose(1, 2),
                                     qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D]
-        if m == 1 and mask is None and h != g:  # decode: the H/G query heads of a kv head as rows
+        if m == 1 and mask is None and torch.compiler.is_compiling():  # plain math inductor fuses (SDPA: 57 us)
+            qg = q.reshape(bsz, g, h // g, self.head_dim)  # [B, G, H/G, D]
+            scores = (qg @ k.transpose(-1, -2)) * self.head_dim ** -0.5  # [B, G, H/G, start+1]
+            y = scores.softmax(-1) @ v  # [B, G, H/G, D]
+        elif m == 1 and mask is None and h != g:  # decode: the H/G query heads of a kv head as rows
             y = F.scaled_dot_product_attention(q.reshape(bsz, g, h // g, self.head_dim), k, v)  # [B, G, H/G, D]
         else:  # (one token sees every cached row; no K/V copies per query head)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m > 1 and mask is None,
@@ -129,6 +133,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         self.max_seq_len = 0
+        self._compiled_step = None  # see compile_decode
 
     def tie_weights(self) -> None:
         if self.args.tie_embeddings:
@@ -149,6 +154,8 @@ class Transformer(nn.Module):
                               f"{self.args.max_seq_len} tokens; shorten the prompt or max_new_tokens")
         if max_seq_len <= self.max_seq_len and self.layers[0].attention.kv_cache.k.shape[0] == batch:
             return
+        if self._compiled_step is not None:  # dynamo specialises on buffer sizes: few sizes, few compiles
+            max_seq_len = min(self.args.max_seq_len, max(256, 1 << (max_seq_len - 1).bit_length()))
         dev, dt = self.device, self.dtype
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(batch, self.args.n_kv_heads, max_seq_len,
@@ -161,6 +168,19 @@ class Transformer(nn.Module):
         causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=dev).tril()
         self.register_buffer("causal_mask", causal, persistent=False)
         self.max_seq_len = max_seq_len
+
+    def compile_decode(self) -> None:
+        """Run one-token steps (M=1, no key mask) through `torch.compile` from now on.
+
+        The step is compiled with a symbolic `start` (dynamic=True) on its first call: tens of seconds
+        on a CPU, then cached by inductor on disk. Dynamo specialises on the cache length, so from now
+        on `setup_caches` rounds it up to a power of two (>= 256): a new size costs one more compile,
+        which a server avoids by sizing the caches for its longest request up front (polybasic bench
+        does). Prefills and k-token verifications stay eager. Logits agree with the eager step to
+        float rounding (fused kernels sum in another order), not bit for bit.
+        """
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(self._forward, dynamic=True, options={"cpp_wrapper": True})
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
                 key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -178,6 +198,14 @@ class Transformer(nn.Module):
         if end > self.max_seq_len:
             raise ConfigError(f"sequence length: {end} tokens exceed the cache of {self.max_seq_len}; "
                               "call setup_caches with a larger max_seq_len")
+        if self._compiled_step is not None and m == 1 and key_mask is None:
+            return self._compiled_step(tokens, start, last_only)
+        return self._forward(tokens, start, last_only, key_mask)
+
+    def _forward(self, tokens: Tensor, start: int, last_only: bool = False,
+                 key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        m = tokens.shape[1]
+        end = start + m
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # [M, 1, D]
         mask = None if m == 1 or start == 0 else self.causal_mask[start:end, :end]  # [M, start+M]
         if key_mask is not None:

@@ -17,6 +17,7 @@ from tests.helpers import lean_from_hf, tiny_hf_llama
     (["--temperature", "-1"], "temperature"),
     (["--per-category", "0"], "per_category"),
     (["--categories", "nope"], "categories: unknown nope"),
+    (["--methods", "vanilla-compiled", "--warmup", "0"], "warmup: vanilla-compiled compiles on its first"),
 ])
 def test_bad_input_fails_before_loading(questions_file, capsys, argv, words):
     rc = main(["bench", "--model", "/nonexistent", "--questions", str(questions_file), *argv])
@@ -35,11 +36,12 @@ def test_parse_methods_puts_vanilla_first():
 
 def test_runners_agree_with_vanilla_at_greedy():
     hf = tiny_hf_llama(seed=0)
-    ctx = BenchContext(lean_from_hf(hf), None, {1}, 12, hf_loader=lambda: hf, draft_tokens=4)
+    ctx = BenchContext(lean_from_hf(hf), None, {1}, 12, hf_loader=lambda: hf, draft_tokens=4,
+                       max_prompt_tokens=8)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     ref = make_runner("vanilla", ctx)(prompt, 0)
     assert 0 < len(ref.tokens) <= 12 and ref.wall_s > 0 and ref.tau is None
-    for name in ("hf", "hf-pld", "pld"):
+    for name in ("hf", "hf-pld", "pld", "vanilla-compiled"):
         out = make_runner(name, ctx)(prompt, 0)
         assert out.tokens == ref.tokens, name
     assert make_runner("pld", ctx)(prompt, 0).tau >= 1.0
