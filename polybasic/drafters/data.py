@@ -101,6 +101,47 @@ def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128
     return out
 
 
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template's tokens up to where a user message's text begins."""
+    mark = "\ue000"  # a private-use character no template adds by itself
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False) \
+        if getattr(tokenizer, "chat_template", None) else ""
+    if mark not in text:
+        raise ConfigError("distill.self_instruct: the tokenizer has no chat template with a user turn; "
+                          "set self_instruct: 0 and give prompts in distill.data")
+    return tokenizer.encode(text.split(mark)[0], add_special_tokens=False)
+
+
+def self_instruct(model, tokenizer, n: int, max_tokens: int = 96, seed: int = 0, batch_size: int = 32,
+                  progress: bool = False) -> list[str]:
+    """`n` distinct user prompts written by the model itself (Magpie, Xu et al. 2024): the chat
+    template is opened at a user turn and sampled (T=1, top-p 0.95) until the turn ends.
+    Unfinished, empty and repeated prompts are dropped; sampling stops after 3n attempts."""
+    from tqdm import tqdm
+
+    from polybasic.runtime.batch import generate_batch
+
+    prefix = user_turn_prefix(tokenizer)
+    eos = {tokenizer.eos_token_id} - {None}
+    g = make_generator(seed)
+    seen: dict[str, None] = {}
+    bar = tqdm(total=n, desc="self-instruct", unit="prompt", disable=not progress)
+    for _ in range(-(-3 * n // batch_size)):
+        if len(seen) >= n:
+            break
+        rows = generate_batch(model, [prefix] * batch_size, max_tokens, SamplingConfig(1.0, 0, 0.95), eos, g)
+        for row in rows:
+            new = row.tokens[row.n_prompt:]
+            if not new or new[-1] not in eos:  # no end of turn within max_tokens
+                continue
+            text = tokenizer.decode(new[:-1], skip_special_tokens=True).strip()
+            if len(text) >= 8 and text not in seen and len(seen) < n:
+                seen[text] = None
+                bar.update(1)
+    bar.close()
+    return list(seen)
+
+
 def reference_samples(tokenizer, pairs: list[tuple[str, str | None]], max_len: int) -> list[Sample]:
     """The dataset's own answers in the chat template (records without one are skipped)."""
     out = []

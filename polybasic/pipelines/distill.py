@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from polybasic.drafters.data import (DEFAULT_DATA, DistillDataset, Sample, compute_features, load_feature_shard,
-                                     load_pairs, reference_samples, save_feature_shard, self_distill)
+                                     load_pairs, reference_samples, save_feature_shard, self_distill,
+                                     self_instruct)
 from polybasic.drafters.head import DrafterConfig
 from polybasic.drafters.module import TrainConfig, fit
 from polybasic.errors import ConfigError, check
@@ -36,6 +37,7 @@ SHARD = 256  # samples per feature shard
 class DistillSection:
     data: str = DEFAULT_DATA  # Alpaca or ShareGPT JSON/JSONL; never the Spec-Bench questions
     limit: int = 1000  # first N records
+    self_instruct: int = 0  # > 0: also this many prompts the target writes itself (Magpie), for diversity
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy answers
     max_prompt_tokens: int = 512
@@ -54,6 +56,8 @@ class DistillSection:
     def __post_init__(self) -> None:
         from polybasic.models.loader import parse_dtype
 
+        check(self.self_instruct >= 0, "distill.self_instruct", f"must be >= 0, got {self.self_instruct}",
+              "use 0 (off) or the number of prompts the target should write")
         for name in ("limit", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "feature_batch_tokens"):
             check(getattr(self, name) > 0, f"distill.{name}", f"must be > 0, got {getattr(self, name)}",
                   "use a positive int")
@@ -89,8 +93,12 @@ def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list
     if path.is_file():
         return [Sample(**json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     pairs = load_pairs(sec.data, sec.limit)
-    samples = self_distill(_as_dtype(lm.model, sec.gen_dtype), lm.tokenizer, [q for q, _ in pairs],
-                           sec.max_new_tokens, SamplingConfig(temperature=sec.temperature), sec.seed,
+    gen = _as_dtype(lm.model, sec.gen_dtype)
+    prompts = [q for q, _ in pairs]
+    if sec.self_instruct:
+        prompts += self_instruct(gen, lm.tokenizer, sec.self_instruct, seed=sec.seed, batch_size=sec.gen_batch_size,
+                                 progress=progress)
+    samples = self_distill(gen, lm.tokenizer, prompts, sec.max_new_tokens, SamplingConfig(temperature=sec.temperature), sec.seed,
                            sec.max_prompt_tokens, progress=progress, batch_size=sec.gen_batch_size)
     if sec.references:
         samples += reference_samples(lm.tokenizer, pairs, sec.max_prompt_tokens + sec.max_new_tokens)

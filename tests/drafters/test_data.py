@@ -98,3 +98,21 @@ def test_pairs_carry_reference_answers(tmp_path):
     prompt = encode_prompt(tok, "w1 w2")
     assert refs[0].n_prompt == len(prompt) and refs[0].tokens[:len(prompt)] == prompt
     assert len(refs[0].tokens) > len(prompt)
+
+
+def test_self_instruct_prompts_open_a_user_turn_and_are_distinct():
+    import pytest
+
+    from polybasic.drafters.data import self_instruct, user_turn_prefix
+    from polybasic.errors import ConfigError
+
+    tok = word_tokenizer(64)
+    assert user_turn_prefix(tok) == tok.encode("<user> ", add_special_tokens=False)
+    model = lean_from_hf(tiny_hf_llama(vocab=64, init_std=0.2))
+    prompts = self_instruct(model, tok, 6, max_tokens=40, batch_size=8, seed=3)
+    assert 0 < len(prompts) <= 6 and len(set(prompts)) == len(prompts)
+    assert all(len(p) >= 8 and "<eos>" not in p for p in prompts)
+    assert self_instruct(model, tok, 6, max_tokens=40, batch_size=8, seed=3) == prompts  # seeded
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="self_instruct"):
+        user_turn_prefix(tok)

@@ -26,7 +26,21 @@ def test_distill_stage(tmp_path):
     assert len(run_distill(lm, sec, tmp_path / "out", accelerator="cpu")["target"].losses) == 4  # resumed: epoch 2
 
 
+def test_self_instruct_prompts_join_the_data(tmp_path):
+    from polybasic.pipelines.distill import _samples
+
+    tiny_hf_folder(tmp_path / "m", vocab=64, init_std=0.2)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"instruction": f"w{i} w{i + 1}", "input": "", "output": ""} for i in range(3)]))
+    sec = section_from_dict({"data": str(data), "max_new_tokens": 4, "self_instruct": 2})
+    samples = _samples(load_model(str(tmp_path / "m")), sec, tmp_path)
+    assert len(samples) == 5 and all(s.tokens[0] == 2 for s in samples)  # every prompt opens a user turn
+    assert samples[3].tokens[:samples[3].n_prompt] != samples[4].tokens[:samples[4].n_prompt]
+
+
 def test_section_errors():
+    with pytest.raises(ConfigError, match="distill.self_instruct"):
+        section_from_dict({"self_instruct": -1})
     with pytest.raises(ConfigError, match="distill.train: strategy"):
         section_from_dict({"train": {"strategy": "nope"}})
     with pytest.raises(ConfigError, match="distill.data.*Spec-Bench"):
