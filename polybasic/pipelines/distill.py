@@ -96,10 +96,10 @@ def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list
     gen = _as_dtype(lm.model, sec.gen_dtype)
     prompts = [q for q, _ in pairs]
     if sec.self_instruct:
-        prompts += self_instruct(gen, lm.tokenizer, sec.self_instruct, seed=sec.seed, batch_size=sec.gen_batch_size,
-                                 progress=progress)
-    samples = self_distill(gen, lm.tokenizer, prompts, sec.max_new_tokens, SamplingConfig(temperature=sec.temperature), sec.seed,
-                           sec.max_prompt_tokens, progress=progress, batch_size=sec.gen_batch_size)
+        prompts += self_instruct(gen, lm.tokenizer, sec.self_instruct, seed=sec.seed,
+                                 batch_size=sec.gen_batch_size, progress=progress)
+    samples = self_distill(gen, lm.tokenizer, prompts, sec.max_new_tokens, SamplingConfig(temperature=sec.temperature),
+                           sec.seed, sec.max_prompt_tokens, progress=progress, batch_size=sec.gen_batch_size)
     if sec.references:
         samples += reference_samples(lm.tokenizer, pairs, sec.max_prompt_tokens + sec.max_new_tokens)
     atomic_write_text(path, "".join(json.dumps({"tokens": s.tokens, "n_prompt": s.n_prompt}) + "\n"
