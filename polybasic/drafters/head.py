@@ -23,25 +23,17 @@ import torch
 from torch import Tensor, nn
 
 from polybasic.errors import ConfigError, check
-from polybasic.models.args import ModelArgs
+from polybasic.models.args import BlockShape, ModelArgs
 from polybasic.models.llama import Block, KVCache, RMSNorm, Transformer
 
 DRAFTER_VERSION = 2
 
 
-@dataclass
-class DrafterConfig:
-    """The head's architecture; saved as JSON in the checkpoint's metadata."""
+@dataclass(kw_only=True)
+class DrafterConfig(BlockShape):
+    """The head's architecture (its block is shaped like one of the base's); saved as JSON in the
+    checkpoint's metadata."""
 
-    dim: int
-    vocab_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    max_seq_len: int = 2048
     fc_bias: bool = True
     draft_vocab_size: int = 0  # > 0: draft over the N most frequent target tokens only (EAGLE-3)
     input_norms: bool = True  # RMSNorm the embedding and the feature before the fuse layer
@@ -49,12 +41,7 @@ class DrafterConfig:
     version: int = DRAFTER_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("dim", "vocab_size", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
-                     "max_seq_len"):
-            check(getattr(self, name) > 0, f"DrafterConfig.{name}", f"must be > 0, got {getattr(self, name)}",
-                  "fix the drafter config")
-        check(self.n_heads % self.n_kv_heads == 0, "DrafterConfig.n_kv_heads",
-              f"{self.n_kv_heads} does not divide n_heads={self.n_heads}", "fix the drafter config")
+        self.check_shape("DrafterConfig", "fix the drafter config")
         check(0 <= self.draft_vocab_size <= self.vocab_size, "DrafterConfig.draft_vocab_size",
               f"must be in [0, vocab_size={self.vocab_size}], got {self.draft_vocab_size}",
               "use 0 for the full vocabulary")
@@ -65,17 +52,10 @@ class DrafterConfig:
     @classmethod
     def for_base(cls, args: ModelArgs, **overrides) -> "DrafterConfig":
         """A head matching a base model (its decoder block is shaped like one of the base's)."""
-        d = dict(dim=args.dim, vocab_size=args.vocab_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                 head_dim=args.head_dim, intermediate_size=args.intermediate_size, rope_theta=args.rope_theta,
-                 norm_eps=args.norm_eps, max_seq_len=args.max_seq_len)
-        d.update(overrides)
-        return cls(**d)
+        return cls(**{**args.shape(), **overrides})
 
     def block_args(self) -> ModelArgs:
-        return ModelArgs(vocab_size=self.vocab_size, dim=self.dim, n_layers=1, n_heads=self.n_heads,
-                         n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
-                         intermediate_size=self.intermediate_size, rope_theta=self.rope_theta,
-                         norm_eps=self.norm_eps, max_seq_len=self.max_seq_len)
+        return ModelArgs(n_layers=1, **self.shape())
 
     def to_dict(self) -> dict:
         return asdict(self)

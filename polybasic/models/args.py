@@ -8,11 +8,14 @@ from polybasic.errors import ConfigError, check
 ARGS_VERSION = 1
 
 
-@dataclass
-class ModelArgs:
+_SHAPE_SIZES = ("vocab_size", "dim", "n_heads", "n_kv_heads", "head_dim", "intermediate_size", "max_seq_len")
+
+
+@dataclass(kw_only=True)
+class BlockShape:
+    """The decoder-block geometry a base model and its drafter head share."""
     vocab_size: int
     dim: int
-    n_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
@@ -20,17 +23,29 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     max_seq_len: int = 2048
+
+    def check_shape(self, owner: str, fix: str) -> None:
+        """Every size positive and the kv heads dividing the heads; errors name `owner.field`."""
+        for name in _SHAPE_SIZES:
+            check(getattr(self, name) > 0, f"{owner}.{name}", f"must be > 0, got {getattr(self, name)}", fix)
+        check(self.n_heads % self.n_kv_heads == 0, f"{owner}.n_kv_heads",
+              f"{self.n_kv_heads} does not divide n_heads={self.n_heads}", fix)
+
+    def shape(self) -> dict:
+        """The BlockShape fields alone, e.g. to build one kind of config from another."""
+        return {f.name: getattr(self, f.name) for f in fields(BlockShape)}
+
+
+@dataclass(kw_only=True)
+class ModelArgs(BlockShape):
+    n_layers: int
     tie_embeddings: bool = False
     family: str = "llama"
     version: int = ARGS_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "intermediate_size", "max_seq_len"):
-            check(getattr(self, name) > 0, f"ModelArgs.{name}", f"must be > 0, got {getattr(self, name)}",
-                  "fix the model config")
-        check(self.n_heads % self.n_kv_heads == 0, "ModelArgs.n_kv_heads",
-              f"{self.n_kv_heads} does not divide n_heads={self.n_heads}", "fix the model config")
+        self.check_shape("ModelArgs", "fix the model config")
+        check(self.n_layers > 0, "ModelArgs.n_layers", f"must be > 0, got {self.n_layers}", "fix the model config")
         check(self.version == ARGS_VERSION, "ModelArgs.version",
               f"is {self.version}, this polybasic reads version {ARGS_VERSION}", "re-export the model")
 
