@@ -85,7 +85,8 @@ class Attention(nn.Module):
         q = qk[:, :, :h].transpose(1, 2)  # [B, H, M, D]
         k, v = self.kv_cache.update(start, qk[:, :, h:].transpose(1, 2),
                                     qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D]
-        if m == 1 and mask is None and torch.compiler.is_compiling():  # plain math inductor fuses (SDPA: 57 us)
+        if m == 1 and mask is None and torch.compiler.is_compiling():  # inductor maps this back to one SDPA
+            # call with fewer layout copies than the branch below: 22.2 vs 22.6-23.5 ms per compiled step
             qg = q.reshape(bsz, g, h // g, self.head_dim)  # [B, G, H/G, D]
             scores = (qg @ k.transpose(-1, -2)) * self.head_dim ** -0.5  # [B, G, H/G, start+1]
             y = scores.softmax(-1) @ v  # [B, G, H/G, D]
