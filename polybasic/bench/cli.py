@@ -94,11 +94,11 @@ def run_bench_command(a: argparse.Namespace) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     lm = load_model(a.model, a.dtype)
+    prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
                        a.draft_tokens, source=a.model, adaptive_k=a.adaptive_k,
+                       max_prompt_tokens=max(len(p) for *_, p in prompts),
                        hf_loader=lambda: load_hf_model(a.model, a.dtype))
-    prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
-    ctx.max_prompt_tokens = max(len(p) for *_, p in prompts)
     runners = {m: make_runner(m, ctx) for m in methods}
     records = run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress)
     doc = build_document(records, sampling.greedy, machine_info(a.dtype, _command_line(a)), {

@@ -20,9 +20,8 @@ from torch import Tensor
 
 from polybasic.errors import ConfigError
 from polybasic.pipelines.records import read_records
-from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.sampling import SamplingConfig, make_generator
-from polybasic.runtime.text import encode_prompt
+from polybasic.runtime.text import encode_prompt, eos_ids
 
 DEFAULT_DATA = "../shared/data/alpaca_1000/alpaca_data_cleaned_1000.json"
 SCHEMA = ('Alpaca: [{"instruction": str, "input": str (optional), "output": str}, ...] or '
@@ -86,7 +85,7 @@ def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128
     from polybasic.runtime.batch import generate_batch
 
     g = make_generator(seed)
-    eos = eos if eos is not None else ({tokenizer.eos_token_id} - {None})
+    eos = eos if eos is not None else eos_ids(tokenizer)
     ids = [encode_prompt(tokenizer, text)[-max_prompt_tokens:] for text in prompts]
     out: list[Sample | None] = [None] * len(ids)
     n_new, t0 = 0, time.perf_counter()
@@ -122,7 +121,7 @@ def self_instruct(model, tokenizer, n: int, max_tokens: int = 96, seed: int = 0,
     from polybasic.runtime.batch import generate_batch
 
     prefix = user_turn_prefix(tokenizer)
-    eos = {tokenizer.eos_token_id} - {None}
+    eos = eos_ids(tokenizer)
     g = make_generator(seed)
     seen: dict[str, None] = {}
     bar = tqdm(total=n, desc="self-instruct", unit="prompt", disable=not progress)
@@ -149,9 +148,8 @@ def reference_samples(tokenizer, pairs: list[tuple[str, str | None]], max_len: i
         if not ans or not ans.strip():
             continue
         prompt = encode_prompt(tokenizer, q)
-        full = tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": ans}],
-                                             tokenize=True)
-        full = list(full["input_ids"] if isinstance(full, dict) or hasattr(full, "keys") else full)
+        full = encode_prompt(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": ans}],
+                             add_generation_prompt=False)
         if full[:len(prompt)] != prompt or len(prompt) >= max_len - 1:  # template oddity, or no room
             continue
         out.append(Sample(full[:max_len], len(prompt)))

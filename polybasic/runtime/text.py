@@ -4,14 +4,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = True) -> list[int]:
-    """Token ids for a user prompt (or a list of chat messages), with the chat template if any."""
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = True,
+                  add_generation_prompt: bool = True) -> list[int]:
+    """Token ids for a user prompt (or a list of chat messages), with the chat template if any,
+    ending in the assistant turn's header unless add_generation_prompt is off."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
         messages = prompt
     if chat and getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return list(ids)
     text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
