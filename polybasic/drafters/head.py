@@ -1,8 +1,8 @@
 """EAGLE-style drafter head (Li et al. 2024), written for the lean decoder.
 
 Row p of the head reads the embedding of token x_{p+1} and the base model's feature f_p (last
-hidden state before the final norm), fuses them with a linear layer (2E -> E), runs ONE decoder
-block at position p and predicts the next feature f_{p+1}. Two options (on by default) make it learn
+hidden state before the final norm), fuses them with a linear layer (2E -> E), runs decoder
+blocks at position p (one, as in EAGLE; `n_layers` sets more) and predicts the next feature f_{p+1}. Two options (on by default) make it learn
 faster on small models whose features carry a few huge outlier dimensions (SmolLM2: rms ~30, some
 dims ~1000): RMS-normalised inputs to the fuse layer (as EAGLE-3 does), and a residual path that
 carries f_p itself into the block, so the head starts from "f_{p+1} = f_p" with the outliers in
@@ -34,6 +34,7 @@ class DrafterConfig(BlockShape):
     """The head's architecture (its block is shaped like one of the base's); saved as JSON in the
     checkpoint's metadata."""
 
+    n_layers: int = 1  # decoder blocks (EAGLE uses one; small bases may need more)
     fc_bias: bool = True
     draft_vocab_size: int = 0  # > 0: draft over the N most frequent target tokens only (EAGLE-3)
     input_norms: bool = True  # RMSNorm the embedding and the feature before the fuse layer
@@ -42,6 +43,7 @@ class DrafterConfig(BlockShape):
 
     def __post_init__(self) -> None:
         self.check_shape("DrafterConfig", "fix the drafter config")
+        check(self.n_layers >= 1, "DrafterConfig.n_layers", f"must be >= 1, got {self.n_layers}", "use e.g. 1")
         check(0 <= self.draft_vocab_size <= self.vocab_size, "DrafterConfig.draft_vocab_size",
               f"must be in [0, vocab_size={self.vocab_size}], got {self.draft_vocab_size}",
               "use 0 for the full vocabulary")
@@ -76,6 +78,21 @@ class _NoCache(nn.Module):
         return k, v
 
 
+class _StepCache(nn.Module):
+    """Stand-in for KVCache in `EagleHead.unroll`: every step's keys and values, concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v [B, G, n, D] of this step -> all steps' so far [B, G, steps*n, D]."""
+        self.k.append(k)
+        self.v.append(v)
+        return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
+
+
 def _rope(cfg: DrafterConfig, start: int, end: int, device, dtype) -> tuple[Tensor, Tensor]:
     """cos, sin [M, 1, D] for positions start..end-1, sin sign-folded (see llama.apply_rope)."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64,
@@ -89,7 +106,7 @@ def _rope(cfg: DrafterConfig, start: int, end: int, device, dtype) -> tuple[Tens
 
 
 class EagleHead(nn.Module):
-    """fc (2E -> E) + one decoder block; `bind(base)` shares the base's embedding, norm and LM head."""
+    """fc (2E -> E) + n_layers decoder blocks; `bind(base)` shares the base's embedding, norm and LM head."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -102,8 +119,8 @@ class EagleHead(nn.Module):
             nn.init.zeros_(self.fc.weight)
             if self.fc.bias is not None:
                 nn.init.zeros_(self.fc.bias)
-        self.layer = Block(cfg.block_args())
-        self.layer.attention.kv_cache = _NoCache()
+        self.layers = nn.ModuleList(Block(cfg.block_args()) for _ in range(cfg.n_layers))
+        self._set_caches(_NoCache)
         self.max_cache = 0
         if cfg.draft_vocab_size:  # draft id -> target id; saved with the head
             self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size))
@@ -113,18 +130,33 @@ class EagleHead(nn.Module):
         object.__setattr__(self, "_draft_head", {})  # (base head, dtype, ...) -> LM head rows drafted over
 
     @torch.no_grad()
-    def init_from_base(self, base: Transformer, layer: int = -1) -> "EagleHead":
-        """Start the block from one of the base's decoder layers (the last by default; quantized
+    def init_from_base(self, base: Transformer) -> "EagleHead":
+        """Start the blocks from the base's last n_layers decoder layers, in order (quantized
         linears contribute their dequantized weights)."""
-        src = base.layers[layer]
-        for name, p in self.layer.named_parameters():
-            mod_name, _, attr = name.rpartition(".")
-            mod = src.get_submodule(mod_name)
-            w = getattr(mod, attr, None)
-            if not isinstance(w, Tensor):  # a quantized linear
-                w = mod.dequantized_weight(torch.float32)
-            p.copy_(w.to(p.dtype))
+        for block, src in zip(self.layers, base.layers[-len(self.layers):]):
+            for name, p in block.named_parameters():
+                mod_name, _, attr = name.rpartition(".")
+                mod = src.get_submodule(mod_name)
+                w = getattr(mod, attr, None)
+                if not isinstance(w, Tensor):  # a quantized linear
+                    w = mod.dequantized_weight(torch.float32)
+                p.copy_(w.to(p.dtype))
         return self
+
+    def _set_caches(self, make) -> list:
+        """Give every block the cache `make()` returns; returns them."""
+        caches = [make() for _ in self.layers]
+        for block, cache in zip(self.layers, caches):
+            block.attention.kv_cache = cache
+        return caches
+
+    def _cache_free(self) -> bool:
+        return isinstance(self.layers[0].attention.kv_cache, _NoCache)
+
+    def _blocks(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int) -> Tensor:
+        for block in self.layers:
+            x = block(x, cos, sin, mask, start)
+        return x
 
     def bind(self, base: Transformer) -> "EagleHead":
         if base.args.dim != self.cfg.dim:
@@ -139,36 +171,69 @@ class EagleHead(nn.Module):
     def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
         """KV cache for incremental decoding (positions 0..max_seq_len-1)."""
         p = self.fc.weight
-        self.layer.attention.kv_cache = KVCache(batch, self.cfg.n_kv_heads, max_seq_len, self.cfg.head_dim,
-                                                p.dtype, p.device)
+        self._set_caches(lambda: KVCache(batch, self.cfg.n_kv_heads, max_seq_len, self.cfg.head_dim,
+                                         p.dtype, p.device))
         self.max_cache = max_seq_len
 
     def drop_caches(self) -> None:
         """Back to cache-free full-sequence mode (training)."""
-        self.layer.attention.kv_cache = _NoCache()
+        self._set_caches(_NoCache)
         self.max_cache = 0
 
     def forward(self, tokens: Tensor, feats: Tensor, start: int = 0) -> Tensor:
         """tokens [B, M] (x_{p+1}), feats [B, M, E] (f_p) for rows p = start..start+M-1 -> predicted
         features [B, M, E] (f_{p+1}). Without a cache, start must be 0 (whole sequence, causal)."""
         m = tokens.shape[1]
-        if isinstance(self.layer.attention.kv_cache, _NoCache):
+        if self._cache_free():
             check(start == 0, "start", f"is {start} but the head has no KV cache", "call setup_caches first")
         elif start + m > self.max_cache:
             raise ConfigError(f"sequence length: {start + m} rows exceed the head's cache of {self.max_cache}; "
                               "call setup_caches with a larger max_seq_len")
+        x = self._fuse(tokens, feats)  # [B, M, E]
+        cos, sin = _rope(self.cfg, start, start + m, x.device, x.dtype)  # [M, 1, D]
+        mask = None
+        if m > 1 and start > 0:
+            mask = torch.ones(m, start + m, dtype=torch.bool, device=x.device).tril(start)  # [M, start+M]
+        return self._blocks(x, cos, sin, mask, start)
+
+    def _fuse(self, tokens: Tensor, feats: Tensor) -> Tensor:
+        """tokens [B, M], feats [B, M, E] -> the block's input [B, M, E]."""
         emb = self.base.tok_embeddings(tokens).to(feats.dtype)  # [B, M, E]
         f = feats
         if self.cfg.input_norms:
             emb, f = self.enorm(emb), self.fnorm(feats)
         x = self.fc(torch.cat((emb, f), dim=-1))  # [B, M, E]
-        if self.cfg.feature_residual:
-            x = x + feats
-        cos, sin = _rope(self.cfg, start, start + m, x.device, x.dtype)  # [M, 1, D]
-        mask = None
-        if m > 1 and start > 0:
-            mask = torch.ones(m, start + m, dtype=torch.bool, device=x.device).tril(start)  # [M, start+M]
-        return self.layer(x, cos, sin, mask, start)
+        return x + feats if self.cfg.feature_residual else x
+
+    def unroll(self, tokens: Tensor, feats: Tensor, steps: int) -> list[Tensor]:
+        """Training-time test (EAGLE-3): the head drafts `steps` tokens ahead of every position at
+        once, each step reading its own previous prediction, attending exactly as at inference.
+
+        tokens [B, T]; feats [B, T-1, E] (f_p, rows p = 0..T-2). Step j (1-based) gives, for every
+        anchor p, the predicted f_{p+j} [B, T-1, E] from the token x_{p+j} and step j-1's prediction
+        (step 1: the exact f_p), at position p+j-1. Its queries see the exact rows 0..p (step 1's
+        keys) and the anchor's own rows of steps 2..j, as the drafting loop's KV cache holds them.
+        Rows whose x_{p+j} lies past the sequence read token 0; the caller masks them out.
+        """
+        check(self._cache_free(), "unroll", "needs the cache-free head", "call drop_caches first")
+        b, n = tokens.shape[0], feats.shape[1]
+        dev = feats.device
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # step 1: rows 0..p
+        own = torch.eye(n, dtype=torch.bool, device=dev)  # steps >= 2: the anchor's own row
+        self._set_caches(_StepCache)
+        outs, f = [], feats
+        try:
+            for j in range(1, steps + 1):
+                toks = tokens[:, j:j + n]  # [B, <=n] x_{p+j}
+                toks = torch.cat((toks, toks.new_zeros(b, n - toks.shape[1])), dim=1)  # [B, n]
+                x = self._fuse(toks, f)  # [B, n, E]
+                cos, sin = _rope(self.cfg, j - 1, j - 1 + n, dev, x.dtype)  # positions p+j-1
+                mask = torch.cat([causal] + [own] * (j - 1), dim=1)  # [n, j*n]
+                f = self._blocks(x, cos, sin, mask, 0)
+                outs.append(f)
+        finally:
+            self._set_caches(_NoCache)
+        return outs
 
     def set_draft_vocab(self, ids: Tensor) -> None:
         """ids [N]: the target token ids the head drafts over (see `frequent_tokens`)."""
@@ -237,7 +302,9 @@ def load_head(path: str | Path, base: Transformer | None = None) -> EagleHead:
     cfg = DrafterConfig.from_dict(json.loads(meta["drafter_config"]))
     with torch.device("meta"):
         head = EagleHead(cfg)
-    head.load_state_dict(load_file(str(p)), strict=True, assign=True)
+    sd = {("layers.0." + k[6:] if k.startswith("layer.") else k): v  # heads saved before n_layers
+          for k, v in load_file(str(p)).items()}
+    head.load_state_dict(sd, strict=True, assign=True)
     head.drop_caches()
     if base is not None:
         head.bind(base).to(dtype=base.dtype, device=base.device)

@@ -2,6 +2,10 @@
 
 Loss (EAGLE): v_weight * smooth-L1(predicted feature, base feature) + p_weight * cross-entropy of
 the head's logits against the base's next-token distribution (soft targets), on answer tokens.
+With ttt_steps = K > 1 (training-time test, EAGLE-3) the head also drafts K-1 steps further on its
+own predictions, attending as the drafting loop does (`EagleHead.unroll`), and step j's losses
+count with weight ttt_decay**(j-1) (normalised): the later draft steps learn from the inputs they
+will really see.
 Both feature sides are divided by the base feature's RMS per token, so the regression has the
 same scale whatever the base (SmolLM2's raw features have RMS ~30). The head may read the base's
 features plus uniform noise (EAGLE), scaled the same way. Features come from the batch (cached
@@ -33,6 +37,8 @@ class TrainConfig:
     v_weight: float = 1.0
     p_weight: float = 1.0
     noise_std: float = 0.0  # uniform feature noise of this width, times the feature's RMS
+    ttt_steps: int = 1  # > 1: training-time test (EAGLE-3), the head also learns from its own drafts
+    ttt_decay: float = 0.8  # loss weight of step j is ttt_decay**(j-1), normalised to sum to 1
     grad_clip: float = 0.5
     warmup_steps: int = 50  # linear warm-up, then linear decay to 5% of lr at the last step
     prompt_loss: bool = False  # also learn on prompt positions (more data per sequence)
@@ -53,6 +59,9 @@ class TrainConfig:
               f"use one of {', '.join(STRATEGIES)}")
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}", "use e.g. 3e-4")
         check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}", "use 1 or more")
+        check(self.ttt_steps >= 1, "ttt_steps", f"must be >= 1, got {self.ttt_steps}",
+              "use 1 (teacher-forced only) or the draft length to train for, e.g. 3")
+        check(0 < self.ttt_decay <= 1, "ttt_decay", f"must be in (0, 1], got {self.ttt_decay}", "use e.g. 0.8")
         check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "use 1 or more")
         check(self.version == TRAIN_VERSION, "version", f"is {self.version}, expected {TRAIN_VERSION}",
               "regenerate the recipe")
@@ -91,21 +100,21 @@ class DistillModule(L.LightningModule):
                 self.cfg.seed * 1_000_003 + self.global_step * 101 + self.global_rank)
             u = torch.rand(f.shape, generator=g).to(f.device, f.dtype)
             f = f + (u - 0.5) * self.cfg.noise_std * _rms(f)
-        out = self.head(tokens[:, 1:], f.to(self.head.fc.weight.dtype), 0)  # [B, T-1, E] predicted f_{p+1}
-        nxt = hidden[:, 1:]  # [B, T-1, E] the base's f_{p+1}
-        m = mask[:, 1:].to(torch.float32)  # [B, T-1]
-        denom = m.sum().clamp_min(1.0)
-        r = _rms(nxt)  # [B, T-1, 1]
-        vloss = (F.smooth_l1_loss(out.float() / r, nxt / r, reduction="none").mean(-1) * m).sum() / denom
+        f = f.to(self.head.fc.weight.dtype)
+        steps = self.cfg.ttt_steps
+        outs = self.head.unroll(tokens, f, steps) if steps > 1 else [self.head(tokens[:, 1:], f, 0)]
         with torch.no_grad():  # the base's distribution (renormalised on the draft vocabulary, if any)
-            target = self.head.logits(nxt).float().softmax(-1)  # [B, T-1, N]
-        logp = self.head.logits(out).float().log_softmax(-1)  # [B, T-1, N]
-        ploss = (-(target * logp).sum(-1) * m).sum() / denom
-        with torch.no_grad():
-            acc = ((logp.argmax(-1) == target.argmax(-1)).to(m.dtype) * m).sum() / denom
-            ent = (-(target * target.clamp_min(1e-30).log()).sum(-1) * m).sum() / denom
-        loss = self.cfg.v_weight * vloss + self.cfg.p_weight * ploss
-        return {"loss": loss, "vloss": vloss, "ploss": ploss, "kl": ploss.detach() - ent, "acc": acc}
+            target = self.head.logits(hidden[:, 1:]).float().softmax(-1)  # [B, T-1, V']
+        logs: dict[str, torch.Tensor] = {}
+        loss = 0.0
+        weights = torch.tensor([self.cfg.ttt_decay ** j for j in range(steps)])
+        weights = (weights / weights.sum()).tolist()  # step j+1's share of the loss
+        for j, out in enumerate(outs):  # out [B, T-1, E]: row p predicts f_{p+1+j}
+            n = t - 1 - j  # rows whose target lies inside the sequence
+            step = _step_losses(self.head, out[:, :n], hidden[:, 1 + j:], target[:, j:], mask[:, 1 + j:])
+            loss = loss + weights[j] * (self.cfg.v_weight * step["vloss"] + self.cfg.p_weight * step["ploss"])
+            logs.update(step if j == 0 else {f"acc{j + 1}": step["acc"]})
+        return {"loss": loss, **logs}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -132,6 +141,22 @@ class DistillModule(L.LightningModule):
 def _rms(x: torch.Tensor) -> torch.Tensor:
     """Per-token RMS [..., 1] (no gradient): the scale features are measured in."""
     return x.detach().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+
+
+def _step_losses(head: EagleHead, out: torch.Tensor, nxt: torch.Tensor, target: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """out, nxt [B, N, E] predicted and base features; target [B, N, V'] the base's distribution;
+    mask [B, N] rows to learn."""
+    m = mask.to(torch.float32)
+    denom = m.sum().clamp_min(1.0)
+    r = _rms(nxt)  # [B, N, 1]
+    vloss = (F.smooth_l1_loss(out.float() / r, nxt / r, reduction="none").mean(-1) * m).sum() / denom
+    logp = head.logits(out).float().log_softmax(-1)  # [B, N, V']
+    ploss = (-(target * logp).sum(-1) * m).sum() / denom
+    with torch.no_grad():
+        acc = ((logp.argmax(-1) == target.argmax(-1)).to(m.dtype) * m).sum() / denom
+        ent = (-(target * target.clamp_min(1e-30).log()).sum(-1) * m).sum() / denom
+    return {"vloss": vloss, "ploss": ploss, "kl": ploss.detach() - ent, "acc": acc}
 
 
 class HeadExport(L.Callback):

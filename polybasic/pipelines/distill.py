@@ -51,6 +51,7 @@ class DistillSection:
     drafters: list[str] = field(default_factory=lambda: ["target"])
     quantized: str = ""  # the quantized copy; default <out_dir>/model.safetensors
     draft_vocab_size: int = 0  # > 0: EAGLE-3 style reduced draft vocabulary
+    head_layers: int = 1  # decoder blocks in each head
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -58,7 +59,8 @@ class DistillSection:
 
         check(self.self_instruct >= 0, "distill.self_instruct", f"must be >= 0, got {self.self_instruct}",
               "use 0 (off) or the number of prompts the target should write")
-        for name in ("limit", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "feature_batch_tokens"):
+        for name in ("limit", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "feature_batch_tokens",
+                     "head_layers"):
             check(getattr(self, name) > 0, f"distill.{name}", f"must be > 0, got {getattr(self, name)}",
                   "use a positive int")
         check("spec_bench" not in self.data, "distill.data", "points at the Spec-Bench questions",
@@ -150,7 +152,7 @@ def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False
     samples = _samples(lm, sec, out, progress)
     if not samples:
         raise ConfigError(f"distill.data: {sec.data} gave no training sequences; pass a file with prompts")
-    head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size)
+    head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size, n_layers=sec.head_layers)
     modules = {}
     for name in sec.drafters:
         base = _base_for(name, lm, sec, Path(run_dir or out.parent))

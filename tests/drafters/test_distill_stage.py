@@ -49,6 +49,8 @@ def test_section_errors():
         section_from_dict({"epochs": 3})
     with pytest.raises(ConfigError, match="distill.drafters"):
         section_from_dict({"drafters": ["target", "draft"]})
+    with pytest.raises(ConfigError, match="distill.head_layers"):
+        section_from_dict({"head_layers": 0})
     with pytest.raises(ConfigError, match="distill.features"):
         section_from_dict({"features": "disk"})
 
@@ -62,14 +64,14 @@ def test_distill_command_runs_a_recipe(tmp_path):
     data = tmp_path / "d.json"
     data.write_text(json.dumps([{"instruction": f"w{i} w{i + 2}", "input": "", "output": ""} for i in range(4)]))
     recipe = {"name": "tiny", "out_dir": str(tmp_path / "run"), "model": {"source": str(tmp_path / "m")},
-              "distill": {"data": str(data), "max_new_tokens": 6,
-                          "train": {"batch_size": 2, "max_epochs": 1, "lr": 1e-3}}}
+              "distill": {"data": str(data), "max_new_tokens": 6, "head_layers": 2,
+                          "train": {"batch_size": 2, "max_epochs": 1, "lr": 1e-3, "ttt_steps": 2}}}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
     assert main(["distill", str(path)]) == 0
     out = tmp_path / "run" / "distill"
     assert (out / "target" / "head.safetensors").is_file() and (out / "recipe.yaml").is_file()
-    load_head(out / "target" / "head.safetensors", load_model(str(tmp_path / "m")).model)
+    assert load_head(out / "target" / "head.safetensors", load_model(str(tmp_path / "m")).model).cfg.n_layers == 2
     recipe["distill"]["data"] = str(tmp_path / "missing.json")
     path.write_text(yaml.safe_dump(recipe))
     assert main(["distill", str(path)]) == 2  # clear error, before any model loads

@@ -1,15 +1,17 @@
 """EagleHead: cached incremental rows equal one full-sequence pass; the head's checkpoint holds only
 its own weights; brief training improves it on held-out answers."""
+import pytest
 import torch
 
 from polybasic.drafters.head import DrafterConfig, EagleHead
 from tests.helpers import lean_from_hf, tiny_hf_llama
 
 
-def test_incremental_equals_full():
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_incremental_equals_full(n_layers):
     base = lean_from_hf(tiny_hf_llama(seed=1, vocab=64, init_std=0.2))
     torch.manual_seed(0)
-    head = EagleHead(DrafterConfig.for_base(base.args)).bind(base).eval()
+    head = EagleHead(DrafterConfig.for_base(base.args, n_layers=n_layers)).bind(base).eval()
     tokens = torch.randint(0, 64, (1, 9))
     feats = torch.randn(1, 9, base.args.dim)
     with torch.no_grad():
@@ -18,19 +20,42 @@ def test_incremental_equals_full():
         parts = [head(tokens[:, :4], feats[:, :4], 0), head(tokens[:, 4:5], feats[:, 4:5], 4),
                  head(tokens[:, 5:], feats[:, 5:], 5)]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
-    assert {k.split(".")[0] for k in head.state_dict()} == {"fc", "layer", "enorm", "fnorm"}  # no base weights
+    assert {k.split(".")[0] for k in head.state_dict()} == {"fc", "layers", "enorm", "fnorm"}  # no base weights
 
 
-def test_training_lowers_held_out_loss(tmp_path):
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_unroll_equals_the_drafting_loop(n_layers):
+    """Training-time test sees what drafting sees: step j of `unroll` for anchor p equals the cached
+    head fed rows 0..p with exact features, then j-1 rows of its own predictions."""
+    base = lean_from_hf(tiny_hf_llama(seed=1, vocab=64, init_std=0.2))
+    torch.manual_seed(0)
+    head = EagleHead(DrafterConfig.for_base(base.args, n_layers=n_layers)).bind(base).eval()
+    tokens = torch.randint(0, 64, (1, 10))  # x_0..x_9
+    feats = torch.randn(1, 9, base.args.dim)  # f_0..f_8
+    with torch.no_grad():
+        steps = head.unroll(tokens, feats, 3)  # 3 x [1, 9, E]
+        for p in (0, 3, 6):
+            head.setup_caches(16)
+            out = head(tokens[:, 1:p + 2], feats[:, :p + 1], 0)[:, -1:]  # row p: f^_{p+1}
+            torch.testing.assert_close(steps[0][:, p:p + 1], out, rtol=1e-5, atol=1e-5)
+            for j in (2, 3):  # row p+j-1 reads x_{p+j} and its own previous prediction
+                out = head(tokens[:, p + j:p + j + 1], out, p + j - 1)
+                torch.testing.assert_close(steps[j - 1][:, p:p + 1], out, rtol=1e-5, atol=1e-5)
+            head.drop_caches()
+
+
+@pytest.mark.parametrize("ttt_steps", [1, 3])
+def test_training_lowers_held_out_loss(tmp_path, ttt_steps):
     """Distillation generalises: on answers the head never saw, its KL divergence from the base
-    falls below that of the same head before training, and its top-1 agreement rises."""
+    falls below that of the same head before training, and its top-1 agreement rises (also with
+    training-time test, which adds the later draft steps' agreement to the logs)."""
     from polybasic.drafters.data import DistillDataset, collate
     from polybasic.drafters.module import DistillModule, TrainConfig, fit
     from polybasic.drafters.train_smoke import tiny_base, tiny_samples
 
     base = tiny_base()
     cfg = DrafterConfig.for_base(base.args)
-    tc = TrainConfig(lr=3e-3, batch_size=8, max_epochs=8, warmup_steps=5)
+    tc = TrainConfig(lr=3e-3, batch_size=8, max_epochs=8, warmup_steps=5, ttt_steps=ttt_steps)
     held = collate(tiny_samples(base, n=8, seed=1))
     torch.manual_seed(0)
     before = DistillModule(base, cfg, tc).losses_for(held, noise=False)
@@ -39,3 +64,4 @@ def test_training_lowers_held_out_loss(tmp_path):
         after = m.losses_for(held, noise=False)
     assert after["kl"] < 0.9 * before["kl"]  # measured 0.341 -> 0.276
     assert after["acc"] > before["acc"]
+    assert {f"acc{j}" for j in range(2, ttt_steps + 1)} <= set(after)

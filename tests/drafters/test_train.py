@@ -83,6 +83,10 @@ def test_deepspeed_needs_gpu_and_config_is_valid():
 def test_config_validation():
     with pytest.raises(ConfigError, match="strategy"):
         TrainConfig(strategy="fsdp")
+    with pytest.raises(ConfigError, match="ttt_steps"):
+        TrainConfig(ttt_steps=0)
+    with pytest.raises(ConfigError, match="ttt_decay"):
+        TrainConfig(ttt_decay=0.0)
     with pytest.raises(ConfigError, match="DrafterConfig.version"):
         DrafterConfig(dim=8, vocab_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=8, version=9)
     with pytest.raises(ConfigError, match="DrafterConfig.n_kv_heads"):
