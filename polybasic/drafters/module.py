@@ -103,15 +103,20 @@ class DistillModule(L.LightningModule):
         f = f.to(self.head.fc.weight.dtype)
         steps = self.cfg.ttt_steps
         outs = self.head.unroll(tokens, f, steps) if steps > 1 else [self.head(tokens[:, 1:], f, 0)]
-        with torch.no_grad():  # the base's distribution (renormalised on the draft vocabulary, if any)
-            target = self.head.logits(hidden[:, 1:]).float().softmax(-1)  # [B, T-1, V']
+        with torch.no_grad():  # the base's distribution (renormalised on the draft vocabulary, if any),
+            # its top token and entropy, once for all steps (step j reads rows j-1..)
+            tlogp = F.log_softmax(self.head.logits(hidden[:, 1:]), -1, dtype=torch.float32)  # [B, T-1, V']
+            target = tlogp.exp()
+            base = {"probs": target, "top": tlogp.argmax(-1), "entropy": -(target * tlogp).sum(-1)}  # [B, T-1]
+            del tlogp
         logs: dict[str, torch.Tensor] = {}
         loss = 0.0
         weights = torch.tensor([self.cfg.ttt_decay ** j for j in range(steps)])
         weights = (weights / weights.sum()).tolist()  # step j+1's share of the loss
         for j, out in enumerate(outs):  # out [B, T-1, E]: row p predicts f_{p+1+j}
             n = t - 1 - j  # rows whose target lies inside the sequence
-            step = _step_losses(self.head, out[:, :n], hidden[:, 1 + j:], target[:, j:], mask[:, 1 + j:])
+            step = _step_losses(self.head, out[:, :n], hidden[:, 1 + j:], {k: v[:, j:] for k, v in base.items()},
+                                mask[:, 1 + j:])
             loss = loss + weights[j] * (self.cfg.v_weight * step["vloss"] + self.cfg.p_weight * step["ploss"])
             logs.update(step if j == 0 else {f"acc{j + 1}": step["acc"]})
         return {"loss": loss, **logs}
@@ -143,20 +148,22 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return x.detach().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
 
 
-def _step_losses(head: EagleHead, out: torch.Tensor, nxt: torch.Tensor, target: torch.Tensor,
+def _step_losses(head: EagleHead, out: torch.Tensor, nxt: torch.Tensor, base: dict[str, torch.Tensor],
                  mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """out, nxt [B, N, E] predicted and base features; target [B, N, V'] the base's distribution;
-    mask [B, N] rows to learn."""
+    """out, nxt [B, N, E] predicted and base features; base: the base's distribution "probs"
+    [B, N, V'], its "top" token and "entropy" [B, N]; mask [B, N] rows to learn."""
     m = mask.to(torch.float32)
     denom = m.sum().clamp_min(1.0)
     r = _rms(nxt)  # [B, N, 1]
     vloss = (F.smooth_l1_loss(out.float() / r, nxt / r, reduction="none").mean(-1) * m).sum() / denom
-    logp = head.logits(out).float().log_softmax(-1)  # [B, N, V']
-    ploss = (-(target * logp).sum(-1) * m).sum() / denom
+    logits = head.logits(out)  # [B, N, V']
+    logp = F.log_softmax(logits, -1, dtype=torch.float32)  # [B, N, V']
+    ce = -(base["probs"] * logp).sum(-1)  # [B, N]
+    ploss = (ce * m).sum() / denom
     with torch.no_grad():
-        acc = ((logp.argmax(-1) == target.argmax(-1)).to(m.dtype) * m).sum() / denom
-        ent = (-(target * target.clamp_min(1e-30).log()).sum(-1) * m).sum() / denom
-    return {"vloss": vloss, "ploss": ploss, "kl": ploss.detach() - ent, "acc": acc}
+        acc = ((logits.argmax(-1) == base["top"]).to(m.dtype) * m).sum() / denom
+        kl = ((ce - base["entropy"]) * m).sum() / denom
+    return {"vloss": vloss, "ploss": ploss, "kl": kl, "acc": acc}
 
 
 class HeadExport(L.Callback):
