@@ -2,14 +2,14 @@
 
 Row p of the head reads the embedding of token x_{p+1} and the base model's feature f_p (last
 hidden state before the final norm), fuses them with a linear layer (2E -> E), runs decoder
-blocks at position p (one, as in EAGLE; `n_layers` sets more) and predicts the next feature f_{p+1}. Two options (on by default) make it learn
-faster on small models whose features carry a few huge outlier dimensions (SmolLM2: rms ~30, some
-dims ~1000): RMS-normalised inputs to the fuse layer (as EAGLE-3 does), and a residual path that
-carries f_p itself into the block, so the head starts from "f_{p+1} = f_p" with the outliers in
-place and learns the change. The base model's FROZEN final norm and
-LM head turn it into logits for x_{p+2}. Embedding, norm and LM head are the base model's, shared
-and never saved in the head's checkpoint. At inference the head runs autoregressively on its own
-predicted features.
+blocks at position p (one, as in EAGLE; `n_layers` sets more) and predicts the next feature
+f_{p+1}. Two options (on by default) make it learn faster on small models whose features carry a
+few huge outlier dimensions (SmolLM2: rms ~30, some dims ~1000): RMS-normalised inputs to the fuse
+layer (as EAGLE-3 does), and a residual path that carries f_p itself into the blocks, so the head
+starts from "f_{p+1} = f_p" with the outliers in place and learns the change. The base model's
+FROZEN final norm and LM head turn it into logits for x_{p+2}. Embedding, norm and LM head are the
+base model's, shared and never saved in the head's checkpoint. At inference the head runs
+autoregressively on its own predicted features.
 
 Shapes: B batch, M rows in this call, E model dim, V vocabulary.
 """
@@ -143,12 +143,10 @@ class EagleHead(nn.Module):
                 p.copy_(w.to(p.dtype))
         return self
 
-    def _set_caches(self, make) -> list:
-        """Give every block the cache `make()` returns; returns them."""
-        caches = [make() for _ in self.layers]
-        for block, cache in zip(self.layers, caches):
-            block.attention.kv_cache = cache
-        return caches
+    def _set_caches(self, make) -> None:
+        """Give every block its own cache, `make()`."""
+        for block in self.layers:
+            block.attention.kv_cache = make()
 
     def _cache_free(self) -> bool:
         return isinstance(self.layers[0].attention.kv_cache, _NoCache)
@@ -302,7 +300,7 @@ def load_head(path: str | Path, base: Transformer | None = None) -> EagleHead:
     cfg = DrafterConfig.from_dict(json.loads(meta["drafter_config"]))
     with torch.device("meta"):
         head = EagleHead(cfg)
-    sd = {("layers.0." + k[6:] if k.startswith("layer.") else k): v  # heads saved before n_layers
+    sd = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v  # heads saved before n_layers
           for k, v in load_file(str(p)).items()}
     head.load_state_dict(sd, strict=True, assign=True)
     head.drop_caches()

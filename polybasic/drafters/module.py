@@ -111,8 +111,8 @@ class DistillModule(L.LightningModule):
             del tlogp
         logs: dict[str, torch.Tensor] = {}
         loss = 0.0
-        weights = torch.tensor([self.cfg.ttt_decay ** j for j in range(steps)])
-        weights = (weights / weights.sum()).tolist()  # step j+1's share of the loss
+        raw = [self.cfg.ttt_decay ** j for j in range(steps)]
+        weights = [w / sum(raw) for w in raw]  # step j+1's share of the loss
         for j, out in enumerate(outs):  # out [B, T-1, E]: row p predicts f_{p+1+j}
             n = t - 1 - j  # rows whose target lies inside the sequence
             step = _step_losses(self.head, out[:, :n], hidden[:, 1 + j:], {k: v[:, j:] for k, v in base.items()},
