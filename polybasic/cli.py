@@ -47,7 +47,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     check_k(a.k)
     lm = load_model(a.model, a.dtype)
     if a.compile:
-        lm.model.compile_decode()
+        lm.model.compile_decode(lm.gguf_file)
     ids = encode_prompt(lm.tokenizer, a.prompt, chat=not a.no_chat)
     generator = make_generator(a.seed)
     if a.chain:

@@ -68,8 +68,9 @@ def _validate(a: argparse.Namespace):
         if value is not None and value < low:
             raise ConfigError(f"{field}: must be >= {low}, got {value}; pass --{field.replace('_', '-')} "
                               f"{low} or more")
-    if "vanilla-compiled" in methods and a.warmup < 1:
-        raise ConfigError("warmup: vanilla-compiled compiles on its first prompt, which must not be timed; "
+    compiled = [m for m in methods if m.startswith("vanilla-compiled")]
+    if compiled and a.warmup < 1:
+        raise ConfigError(f"warmup: {compiled[0]} compiles on its first prompt, which must not be timed; "
                           "pass --warmup 1 or more")
     if a.json_out and Path(a.json_out).is_dir():
         raise ConfigError(f"json: {a.json_out} is a folder; pass a file path such as {a.json_out}/bench.json")
@@ -97,7 +98,7 @@ def run_bench_command(a: argparse.Namespace) -> int:
     prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
                        a.draft_tokens, source=a.model, adaptive_k=a.adaptive_k,
-                       max_prompt_tokens=max(len(p) for *_, p in prompts),
+                       max_prompt_tokens=max(len(p) for *_, p in prompts), gguf=lm.gguf_file,
                        hf_loader=lambda: load_hf_model(a.model, a.dtype))
     runners = {m: make_runner(m, ctx) for m in methods}
     records = run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,7 @@ class BenchContext:
     adaptive_k: bool = False  # chains adapt the bottom draft length (Chain.adaptive_k)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
     max_prompt_tokens: int = 0  # the longest prompt of the run (compiled runners size caches once)
+    gguf: Path | None = None  # the GGUF the target was expanded from (compiled steps read its codes)
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
     _hf: object = field(default=None, repr=False)
 
@@ -102,17 +104,28 @@ def _vanilla(ctx: BenchContext, arg: str | None) -> Runner:
     return _generate_runner(ctx, ctx.model)
 
 
-@register("vanilla-compiled")
-def _vanilla_compiled(ctx: BenchContext, arg: str | None) -> Runner:
-    """Our lean decoder with its one-token step torch.compiled (a separate copy of the target; it
-    compiles during warm-up, with caches sized once for the longest prompt of the run)."""
+def _compiled_runner(ctx: BenchContext, gguf: Path | None) -> Runner:
     import copy
 
     model = copy.deepcopy(ctx.model)
-    model.compile_decode()
+    model.compile_decode(gguf)
     if ctx.max_prompt_tokens:
         model.setup_caches(min(model.args.max_seq_len, ctx.max_prompt_tokens + ctx.max_new_tokens))
     return _generate_runner(ctx, model)
+
+
+@register("vanilla-compiled")
+def _vanilla_compiled(ctx: BenchContext, arg: str | None) -> Runner:
+    """Our lean decoder with its one-token step torch.compiled (a separate copy of the target; it
+    compiles during warm-up, with caches sized once for the longest prompt of the run). With a GGUF
+    source, the step reads the file's block codes, expanded in registers to the same fp32 weights."""
+    return _compiled_runner(ctx, ctx.gguf)
+
+
+@register("vanilla-compiled-dense")
+def _vanilla_compiled_dense(ctx: BenchContext, arg: str | None) -> Runner:
+    """As vanilla-compiled, reading the expanded fp32 weights (4 bytes per weight)."""
+    return _compiled_runner(ctx, None)
 
 
 def _hf_runner(ctx: BenchContext, **extra) -> Runner:

@@ -46,6 +46,15 @@ class LoadedModel:
     name: str  # what the user asked for
     hf_folder: Path  # local HF-format folder (also what transformers baselines load)
 
+    @property
+    def gguf_file(self) -> Path | None:
+        """The GGUF file the weights were converted from, if any (see Transformer.compile_decode)."""
+        meta = self.hf_folder / "polybasic_source.json"
+        if not meta.is_file():
+            return None
+        path = Path(json.loads(meta.read_text()).get("gguf", ""))
+        return path if path.is_file() else None
+
 
 def _convert_gguf(gguf: Path, key: str) -> Path:
     """GGUF -> HF folder in the cache, once. Returns the folder."""

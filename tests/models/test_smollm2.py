@@ -44,3 +44,15 @@ def test_greedy_64_tokens_match_transformers_on_spec_bench(smollm2):
         results.append((q["category"], ours == ref))
     matched = sum(ok for _, ok in results)
     assert matched >= 9, results
+
+
+def test_every_linear_reads_the_gguf_codes_exactly(smollm2):
+    """The packaged GGUF (Q4_1 blocks, Q8_0 embedding) expands to our fp32 weights bit for bit, so
+    compiled steps may read its codes for all 121 linears (4 fused per layer x 30 + the tied LM head)."""
+    import copy
+
+    from polybasic.models.gguf_codes import attach_codes
+
+    lm, _ = smollm2
+    assert lm.gguf_file is not None and lm.gguf_file.suffix == ".gguf"
+    assert attach_codes(copy.deepcopy(lm.model), lm.gguf_file) == 4 * 30 + 1
