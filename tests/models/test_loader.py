@@ -13,6 +13,7 @@ def test_local_hf_folder_loads_with_tokenizer(tmp_path):
     hf = tiny_hf_folder(tmp_path / "m")
     lm = load_model(str(tmp_path / "m"))
     assert lm.args.vocab_size == 64 and lm.tokenizer.eos_token == "<eos>"
+    assert lm.gguf_file is None  # not converted from a GGUF: compiled steps keep the fp32 weights
     lm.model.setup_caches(16)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.inference_mode():
