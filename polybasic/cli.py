@@ -47,7 +47,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     check_k(a.k)
     lm = load_model(a.model, a.dtype)
     if a.compile:
-        lm.model.compile_decode(lm.gguf_file)
+        coded = lm.model.compile_decode(lm.gguf_file)
+        print(f"[compiling the one-token step ({coded} linears read GGUF block codes); the first token "
+              "waits ~90 s on a 2-core CPU the first time, ~20 s once inductor has cached it]", file=sys.stderr)
     ids = encode_prompt(lm.tokenizer, a.prompt, chat=not a.no_chat)
     generator = make_generator(a.seed)
     if a.chain:
