@@ -23,4 +23,4 @@ test-fast:
 
 bench: setup
 	polybasic bench --model smollm2-135m --per-category 2 --max-new-tokens 128 \
-		--methods vanilla,hf,hf-pld,pld --json runs/bench.json --report runs/bench
+		--methods vanilla,vanilla-compiled,hf,hf-pld,pld --json runs/bench.json --report runs/bench
