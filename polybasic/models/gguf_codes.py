@@ -112,14 +112,15 @@ def attach_codes(model: nn.Module, path: str | Path) -> int:
     done = 0
     for lin in linears:
         hits = [where.get(key) for key in _row_keys(lin.weight)]
-        if any(h is None for h in hits) or len({tensors[t].codes.shape[1:] for t, _ in hits}) != 1:
+        if None in hits:
+            continue
+        layouts = {(tensors[t].codes.dtype, tensors[t].codes.shape[1:], tensors[t].minimum is None)
+                   for t, _ in hits}
+        if len(layouts) != 1:  # rows from tensors of different block formats: keep the fp32 weight
             continue
         pick = lambda field: torch.stack([getattr(tensors[t], field)[r] for t, r in hits])  # noqa: E731
+        minimum = None if layouts.pop()[2] else pick("minimum")
         codes, scale = pick("codes"), pick("scale")
-        kinds = {tensors[t].minimum is None for t, _ in hits}
-        if len(kinds) != 1:
-            continue
-        minimum = None if kinds.pop() else pick("minimum")
         if not torch.equal(BlockCodes(codes, scale, minimum).dequantize(), lin.weight):
             continue
         lin.register_buffer("codes", codes, persistent=False)
