@@ -188,7 +188,7 @@ class Transformer(nn.Module):
 
         gguf: the GGUF file the fp32 weights were expanded from. Its block codes are attached to the
         CPU fp32 linears they reproduce exactly (see gguf_codes), and compiled steps read those, 1 byte
-        per weight instead of 4 (+~1.25 bytes per weight of memory). Returns how many linears read codes.
+        per weight instead of 4 (+~1.2 bytes per weight of memory). Returns how many linears read codes.
         """
         coded = attach_codes(self, gguf) if gguf is not None else 0
         if self._compiled_step is None:
