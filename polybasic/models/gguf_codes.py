@@ -34,10 +34,13 @@ class BlockCodes:
 
     def dequantize(self) -> Tensor:
         """[N, K] fp32, the values gguf (and so transformers) expands the tensor to."""
-        w = self.codes.float() * self.scale
-        if self.minimum is not None:
-            w = w + self.minimum
-        return w.flatten(1)
+        return expand(self.codes, self.scale, self.minimum).flatten(1)
+
+
+def expand(codes: Tensor, scale: Tensor, minimum: Tensor | None) -> Tensor:
+    """[N, K/32, 32] fp32 weights: `scale * code (+ minimum)`, one fp32 rounding, as gguf does."""
+    w = codes.float() * scale
+    return w if minimum is None else w + minimum
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -82,9 +85,7 @@ def coded_matvec(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor | None
     Written as multiply-and-sum (not a matmul) so inductor fuses the expansion into one reduction
     that reads 1 byte per weight.
     """
-    w = codes.float() * scale  # [N, K/32, 32]
-    if minimum is not None:
-        w = w + minimum
+    w = expand(codes, scale, minimum)  # [N, K/32, 32]
     b = x.shape[0]
     return (w * x.reshape(b, 1, *codes.shape[1:])).sum((-1, -2)).unsqueeze(1)  # [B, 1, N]
 
