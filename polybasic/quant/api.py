@@ -165,4 +165,11 @@ def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.
     for alias, name in aliases.items():
         sd[alias] = sd[name]
     model.load_state_dict(sd, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+    for alias, name in aliases.items():  # assign=True split the tensors shared at save time: share again
+        (mod, _, attr), (src, _, src_attr) = alias.rpartition("."), name.rpartition(".")
+        setattr(model.get_submodule(mod), attr, getattr(model.get_submodule(src), src_attr))
+    from polybasic.models.llama import use_decode_layout
+
+    # the float modules left (e.g. a tied LM head) get the layout load_model gives them, so the copy
+    # runs the same kernels on the same layouts as the model it was saved from: equal outputs
+    return use_decode_layout(model.eval().requires_grad_(False))

@@ -81,7 +81,8 @@ class QuantLinear(nn.Module):
             raise ConfigError(f"{name}: scale/zero shapes {tuple(scale.shape)}/{tuple(zero.shape)} do "
                               f"not match group_size={config.group_size} (expected "
                               f"{tuple(mod.scale.shape)}); quantize with the same config")
-        mod.qweight = pack_int4(q) if config.w_bits == 4 else q.to(torch.int8)
+        # stored contiguous whatever the float weight's layout, so a saved and reloaded copy is the same tensor
+        mod.qweight = (pack_int4(q) if config.w_bits == 4 else q.to(torch.int8)).contiguous()
         mod.scale, mod.zero = scale.float().contiguous(), zero.to(torch.int8).contiguous()
         if bias is not None:
             mod.bias.data.copy_(bias.detach())

@@ -188,6 +188,14 @@ def test_quantized_copy_is_a_model_source(tmp_path):
     got = load_model(str(tmp_path / "q.safetensors"))
     assert set(quantized_modules(got.model)) == set(quantized_modules(q))
     assert got.tokenizer.get_vocab() == lm.tokenizer.get_vocab() and got.args == lm.args
+    # the contract: the reloaded copy is the saved one, tensor for tensor and layout for layout
+    # (quantized codes are stored contiguous; the float modules left get load_model's decode
+    # layout; a tied head stays tied), so it runs the same kernels and its logits are bitwise equal
+    sd, sd2 = q.state_dict(), got.model.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sd2[k]) and sd[k].stride() == sd2[k].stride(), k
+    assert got.model.output.weight is got.model.tok_embeddings.weight
     ids = torch.tensor([[3, 5, 7]])
     with torch.inference_mode():
         q.setup_caches(8), got.model.setup_caches(8)
