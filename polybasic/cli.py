@@ -1,60 +1,161 @@
-"""`polybasic` command line: generate, bench, and the recipe stages (quantize, distill)."""
+"""`polybasic` command line: generate, bench, push, and the recipe stages (run, or one of quantize,
+distill, profile, plan, export).
+
+Building the parser and checking arguments import no torch, transformers or lightning: every
+command imports what it runs, after the cheap checks of its input (files by their headers).
+"""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
+from pathlib import Path
 
-from polybasic.errors import ConfigError, PolybasicError
+from polybasic import __version__
+from polybasic.errors import ConfigError, DataNotFoundError, PolybasicError
+from polybasic.runtime.chainspec import CHAIN_HELP
+
+
+MODEL_DEFAULT = "smollm2-135m"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions' line breaks (the chain forms) and appends '(default: X)' to every option
+    with a default other than None / False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and action.default is not None and action.default is not False
+                and action.default != argparse.SUPPRESS and "%(default)" not in text):
+            text += " (default: %(default)s)"
+        return text
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text (streams to stdout)")
-    p.add_argument("--model", default="smollm2-135m", help="short name, .gguf file, HF folder or Hub id")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32")
+    p = sub.add_parser("generate", help="generate text (streams to stdout)",
+                       description="Generate text from a prompt, plainly or through a chain of levels.\n\n"
+                                   + CHAIN_HELP)
+    p.add_argument("--model", default=MODEL_DEFAULT,
+                   help="the target: short name, .gguf file, Hugging Face folder, Hub id or a quantized "
+                        ".safetensors copy")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text; '-' reads it from stdin (for long prompts)")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
+    p.add_argument("--bundle", default=None, metavar="PATH|HUB_ID",
+                   help="decode with a chain bundle (`polybasic export` / `polybasic run`): its target, chain, "
+                        "k, thresholds and sampling defaults; a folder or a Hub id (through the HF cache)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0, or the bundle's)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k likeliest tokens, 0 = off (default: 0, or the bundle's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass, 1.0 = off (default: 1.0, or the bundle's)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    p.add_argument("--dtype", default="float32", help="dtype of the target's weights")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--chain", default=None,
-                   help="levels below the target, '+'-separated: ngram[:N] | SOURCE[@DTYPE] | target@DTYPE")
+    p.add_argument("--chain", default=None, metavar="SPEC",
+                   help="decode through a chain: the levels below the target, '+'-separated (forms above)")
     p.add_argument("--k", type=int, default=5, help="tokens the bottom level proposes per round")
     p.add_argument("--adaptive-k", action="store_true", help="adapt the bottom draft length (1..k)")
     p.add_argument("--thresholds", default=None,
-                   help="comma-separated hand-up threshold per middle level (default k+1)")
+                   help="comma-separated hand-up threshold per middle level (default: k+1 each)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the one-token step (costs tens of seconds once, then cached)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=_cmd_generate)
 
 
+def _add_push(sub) -> None:
+    p = sub.add_parser("push", help="upload a chain bundle to the Hugging Face Hub",
+                       description="Create the Hub model repository REPO_ID (if needed) and upload the bundle "
+                                   "folder with its model card. Authenticate with `hf auth login` or HF_TOKEN.")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle folder (`polybasic export` / `polybasic run`)")
+    p.add_argument("repo_id", metavar="REPO_ID", help="owner/name on the Hub")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.set_defaults(func=_cmd_push)
+
+
+def _cmd_push(a: argparse.Namespace) -> int:
+    from polybasic.runtime.bundle import check_bundle
+    from polybasic.runtime.hub import push_bundle
+
+    check_bundle(a.bundle, verify_target=False)  # a broken bundle is never uploaded
+    print(push_bundle(a.bundle, a.repo_id, private=a.private))
+    return 0
+
+
+def read_prompt(a: argparse.Namespace) -> str:
+    """The prompt from --prompt TEXT, --prompt - (stdin) or --prompt-file PATH."""
+    if a.prompt_file is not None:
+        path = Path(a.prompt_file).expanduser()
+        if not path.is_file():
+            raise DataNotFoundError(f"--prompt-file: {path} does not exist; pass a UTF-8 text file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompt-file: {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                              "save it as UTF-8") from None
+        where = f"--prompt-file: {path}"
+    elif a.prompt == "-":
+        text, where = sys.stdin.read(), "--prompt -: stdin"
+    else:
+        return a.prompt
+    if not text.strip():
+        raise ConfigError(f"{where} is empty; pass a prompt")
+    return text
+
+
+def _precheck_generate(a: argparse.Namespace):
+    """Every check that needs no torch and no model: prompt, --model, --chain (files by headers)."""
+    from polybasic.models.preflight import check_source
+    from polybasic.runtime.chainspec import check_chain_files, parse_chain_spec
+
+    prompt = read_prompt(a)
+    if a.bundle:
+        if a.chain or a.model != MODEL_DEFAULT:
+            raise ConfigError("--bundle: the bundle names its target and chain; drop --model and --chain")
+        from polybasic.runtime.bundle import check_bundle
+        from polybasic.runtime.hub import resolve_bundle
+
+        return prompt, check_bundle(resolve_bundle(a.bundle)), None
+    check_source(a.model, "--model")
+    spec = check_chain_files(parse_chain_spec(a.chain, "--chain"), "--chain") if a.chain else None
+    return prompt, spec, _int_list(a.thresholds, "--thresholds")
+
+
 def _cmd_generate(a: argparse.Namespace) -> int:
+    prompt, spec, thresholds = _precheck_generate(a)
 
     from polybasic.models import load_model
     from polybasic.runtime.chain import Chain, check_k
     from polybasic.runtime.generate import GenerationStats, check_request, generate_tokens
-    from polybasic.runtime.spec import parse_chain
     from polybasic.runtime.sampling import SamplingConfig, make_generator
+    from polybasic.runtime.spec import build_chain
     from polybasic.runtime.text import encode_prompt, eos_ids, stream_text
 
-    sampling = SamplingConfig(a.temperature, a.top_k, a.top_p)  # validates before loading
     check_request([0], a.max_new_tokens, 2)
-    thresholds = _int_list(a.thresholds, "--thresholds")
     check_k(a.k)
-    lm = load_model(a.model, a.dtype)
+    if a.bundle:
+        from polybasic.runtime.bundle import load
+
+        dec = load(a.bundle)
+        lm, chain, sampling = dec.target, dec.chain, dec.sampling(temperature=a.temperature, top_k=a.top_k,
+                                                                  top_p=a.top_p)
+    else:
+        sampling = SamplingConfig(_or(a.temperature, 0.0), _or(a.top_k, 0), _or(a.top_p, 1.0))
+        lm = load_model(a.model, a.dtype)
+        chain = None if spec is None else Chain(build_chain(spec, lm, flag="--chain"), k=a.k, thresholds=thresholds,
+                                                eos=eos_ids(lm.tokenizer), adaptive_k=a.adaptive_k)
+    ids = encode_prompt(lm.tokenizer, prompt, chat=not a.no_chat)
+    check_request(ids, a.max_new_tokens, lm.args.max_seq_len)  # an over-long prompt: a clear error
     if a.compile:
         coded = lm.model.compile_decode(lm.gguf_file)
         print(f"[compiling the one-token step ({coded} linears read GGUF block codes); the first token "
               "waits ~90 s on a 2-core CPU the first time, ~20 s once inductor has cached it]", file=sys.stderr)
-    ids = encode_prompt(lm.tokenizer, a.prompt, chat=not a.no_chat)
     generator = make_generator(a.seed)
-    if a.chain:
-        chain = Chain(parse_chain(a.chain, lm), k=a.k, thresholds=thresholds, eos=eos_ids(lm.tokenizer),
-                      adaptive_k=a.adaptive_k)
+    if chain is not None:
         token_iter = chain.stream(ids, a.max_new_tokens, sampling, generator)
         get_stats = lambda: chain.stats  # noqa: E731
     else:
@@ -75,10 +176,14 @@ def _cmd_generate(a: argparse.Namespace) -> int:
                           "tokens_per_s": stats.tokens_per_s, "stats": stats.to_dict()}))
     else:
         sys.stdout.write("\n")
-        extra = f", tau {stats.tau:.2f}" if a.chain else ""
+        extra = f", tau {stats.tau:.2f}" if chain is not None else ""
         print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{extra}, stop: {stats.stop_reason}]",
               file=sys.stderr)
     return 0
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -91,14 +196,19 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polybasic", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
+    """The whole command line (imports no torch)."""
     from polybasic.bench.cli import add_parser as add_bench
     from polybasic.pipelines.cli import add_parsers as add_stages
 
+    parser = argparse.ArgumentParser(prog="polybasic", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"polybasic {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser,
+                                                               formatter_class=HelpFormatter))
+    _add_generate(sub)
     add_bench(sub)
+    _add_push(sub)
     add_stages(sub)
     return parser
 

@@ -21,3 +21,7 @@ def check(cond: bool, field: str, problem: str, fix: str) -> None:
 
 class DataNotFoundError(PolybasicError, FileNotFoundError):
     """A data file (prompts, calibration text, questions) that does not exist."""
+
+
+class CorruptFileError(PolybasicError, ValueError):
+    """A file that exists but cannot be read: damaged, truncated or of another format."""

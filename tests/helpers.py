@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from polybasic.models import ModelArgs, build_model, hf_to_lean_state_dict
 
@@ -22,15 +22,36 @@ def tiny_hf_llama(seed: int = 0, **kw) -> LlamaForCausalLM:
     return LlamaForCausalLM(tiny_llama_config(**kw)).eval()
 
 
+def tiny_hf_qwen2(seed: int = 0, **kw) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 shaped like tiny_hf_llama's (same keywords), rope theta 1e6, and random q/k/v
+    biases (transformers initialises them to zero, which would hide a wrong bias mapping)."""
+    cfg = Qwen2Config(**{**tiny_llama_config(**kw).to_dict(), "model_type": "qwen2",
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    torch.manual_seed(seed)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return hf
+
+
+TINY_HF = {"llama": tiny_hf_llama, "qwen2": tiny_hf_qwen2}  # family -> builder (same keywords)
+
+
+def tiny_hf(family: str = "llama", seed: int = 0, **kw):
+    return TINY_HF[family](seed, **kw)
+
+
 def lean_from_hf(hf: LlamaForCausalLM, dtype=torch.float32):
     args = ModelArgs.from_hf_config(hf.config)
     return build_model(args, hf_to_lean_state_dict(hf.state_dict(), args), dtype)
 
 
-def perturbed_copy(hf: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForCausalLM:
-    """A copy of hf with Gaussian noise (relative std `scale`) added to every weight."""
+def perturbed_copy(hf, scale: float, seed: int = 1):
+    """A copy of hf (any tiny family) with Gaussian noise (relative std `scale`) added to every weight."""
     g = torch.Generator().manual_seed(seed)
-    copy = LlamaForCausalLM(hf.config).eval()
+    copy = type(hf)(hf.config).eval()
     copy.load_state_dict(hf.state_dict())
     with torch.no_grad():
         for p in copy.parameters():

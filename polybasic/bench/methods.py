@@ -43,6 +43,7 @@ class BenchContext:
     max_prompt_tokens: int = 0  # the longest prompt of the run (compiled runners size caches once)
     gguf: Path | None = None  # the GGUF the target was expanded from (compiled steps read its codes)
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
+    bundle: object = None  # a runtime.bundle.BundleDecoder: method `chain` runs its chain
     _hf: object = field(default=None, repr=False)
 
     def hf_model(self):
@@ -169,15 +170,15 @@ def _hf_pld(ctx: BenchContext, arg: str | None) -> Runner:
     return _hf_runner(ctx, prompt_lookup_num_tokens=ctx.draft_tokens, max_matching_ngram_size=3)
 
 
-def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list],
-                  thresholds: list[int] | None = None) -> Runner:
+def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds: list[int] | None = None,
+                  k: int | None = None, adaptive_k: bool | None = None) -> Runner:
     from polybasic.runtime.chain import Chain
 
     def run(prompt_ids: list[int], seed: int) -> Output:
         gen = make_generator(seed)
         t0 = time.perf_counter()
-        chain = Chain(make_levels(), k=ctx.draft_tokens, thresholds=thresholds, eos=ctx.eos,
-                      adaptive_k=ctx.adaptive_k)
+        chain = Chain(make_levels(), k=k or ctx.draft_tokens, thresholds=thresholds, eos=ctx.eos,
+                      adaptive_k=ctx.adaptive_k if adaptive_k is None else adaptive_k)
         tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
                                        generator=gen)
         wall = time.perf_counter() - t0
@@ -198,10 +199,18 @@ def _pld(ctx: BenchContext, arg: str | None) -> Runner:
 @register("chain", takes_arg=True)
 def _chain(ctx: BenchContext, arg: str | None) -> Runner:
     """A chain spelled out below the target, e.g. chain:target+target@bfloat16+ngram
-    (see polybasic.runtime.spec). Lower levels are loaded once and reused for every prompt."""
+    (see polybasic.runtime.spec), or with no spec the bundle's chain with its k and thresholds.
+    Lower levels are loaded once and reused for every prompt."""
+    if arg is None:
+        if ctx.bundle is None:
+            raise ConfigError("methods: 'chain' without a spec runs a bundle's chain; pass --bundle")
+        d = ctx.bundle.manifest.decoding
+        levels = ctx.bundle.chain.levels
+        return _chain_runner(ctx, lambda: levels, None if d.thresholds is None else list(d.thresholds), d.k,
+                             d.adaptive_k)
     from polybasic.models.loader import LoadedModel
     from polybasic.runtime.spec import parse_chain
 
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
-    levels = parse_chain(arg, target)
+    levels = parse_chain(arg, target, flag=f"--methods chain:{arg}")
     return _chain_runner(ctx, lambda: levels)

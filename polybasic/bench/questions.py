@@ -9,6 +9,7 @@ from polybasic.errors import ConfigError
 
 DEFAULT_QUESTIONS = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"
 SCHEMA = '{"question_id", "category", "turns": [...]}'
+UNCATEGORIZED = "uncategorized"  # the category of questions whose category is missing, empty or null
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,12 @@ def default_questions_path() -> Path:
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:
-    """Read a Spec-Bench style JSON-lines file; every error names the line and the expected schema."""
+    """Read a Spec-Bench style JSON-lines file; every error names the line and the expected schema.
+
+    `question_id` and a non-empty `turns` list are required. `category` may be missing, empty or
+    null, as in public question sets without categories: those questions form one category,
+    UNCATEGORIZED ("uncategorized"); the bench then reports that single category.
+    """
     p = Path(path).expanduser() if path is not None else default_questions_path()
     if not p.is_file():
         raise ConfigError(f"questions: file {p} does not exist; pass a JSON-lines file with one "
@@ -46,13 +52,13 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where} is not valid JSON ({e.msg}); expected one {SCHEMA} object "
                               "per line") from None
-        if not isinstance(obj, dict) or not {"question_id", "category", "turns"} <= obj.keys():
+        if not isinstance(obj, dict) or not {"question_id", "turns"} <= obj.keys():
             raise ConfigError(f"{where} lacks a field; expected {SCHEMA}")
-        turns, cat = obj["turns"], obj["category"]
+        turns, cat = obj["turns"], obj.get("category") or UNCATEGORIZED
         if not (isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip()):
             raise ConfigError(f"{where}: 'turns' must be a non-empty list of strings; expected {SCHEMA}")
-        if not (isinstance(cat, str) and cat):
-            raise ConfigError(f"{where}: 'category' must be a non-empty string; expected {SCHEMA}")
+        if not isinstance(cat, str):
+            raise ConfigError(f"{where}: 'category' must be a string (or missing); expected {SCHEMA}")
         out.append(Question(obj["question_id"], cat, turns[0]))
     if not out:
         raise ConfigError(f"questions: {p} holds no questions; expected one {SCHEMA} object per line")

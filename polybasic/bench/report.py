@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from polybasic.artifacts import write_text
+
 
 def cpu_model() -> str:
     try:
@@ -29,15 +31,7 @@ def machine_info(dtype: str, command: str) -> dict:
 
 def atomic_write(path: str | Path, text: str) -> None:
     """Write via a temp file in the same folder and os.replace, so readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_text(path, text)
 
 
 def _f(x, fmt: str) -> str:

@@ -77,7 +77,8 @@ def _group(records: list[Record], reference: dict, greedy: bool) -> dict:
             "new_tokens": tokens, "wall_s": wall, "prompts": len(records)}
 
 
-def summarize(records: list[Record], greedy: bool) -> dict[str, dict]:
+def summarize(records: list[Record], greedy: bool, predicted: dict[str, float | None] | None = None
+              ) -> dict[str, dict]:
     """{method: {tokens_per_s, speedup, tau, identical_to_vanilla, predicted_speedup, per_category}}."""
     ref = {(r.question_id, r.category): r for r in records if r.method == REFERENCE}
     methods = list(dict.fromkeys(r.method for r in records))
@@ -91,7 +92,7 @@ def summarize(records: list[Record], greedy: bool) -> dict[str, dict]:
         g = _group(mine, ref, greedy)
         g["speedup"] = _ratio(g["tokens_per_s"], base["tokens_per_s"])
         g["median_speedup"] = _median_speedup(mine, ref)
-        g["predicted_speedup"] = None
+        g["predicted_speedup"] = (predicted or {}).get(m)
         g["per_category"] = {}
         for c in cats:
             gc = _group([r for r in mine if r.category == c], ref, greedy)

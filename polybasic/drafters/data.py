@@ -2,8 +2,8 @@
 
 Sequences: the base model's own answers to instruction prompts (self-distillation, generated in
 batches), optionally plus the dataset's reference answers (teacher-forced, as EAGLE-1 trained on
-fixed ShareGPT replies: a prefill costs a fraction of a generated token). Prompts come from a JSON
-list or JSONL file in Alpaca or ShareGPT format.
+fixed ShareGPT replies: a prefill costs a fraction of a generated token). Prompts come from Alpaca
+or ShareGPT records of any data source (polybasic.data: json / jsonl / parquet / csv, Hub ids).
 
 Features (the base's last hidden states) are either recomputed by every training step ("online")
 or computed once by batched prefills and cached as safetensors shards ("cache"); the base's
@@ -11,6 +11,7 @@ next-token distributions are always derived from them through its frozen norm an
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,48 +19,28 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from polybasic.data import DEFAULT_DATA, SCHEMAS, DataSource, read_examples  # noqa: F401 (DEFAULT_DATA)
+from polybasic.artifacts import fault_point, save_safetensors, seed_for, write_text
 from polybasic.errors import ConfigError
-from polybasic.pipelines.records import read_records
 from polybasic.runtime.sampling import SamplingConfig, make_generator
 from polybasic.runtime.text import encode_prompt, eos_ids
 
-DEFAULT_DATA = "../shared/data/alpaca_1000/alpaca_data_cleaned_1000.json"
-SCHEMA = ('Alpaca: [{"instruction": str, "input": str (optional), "output": str}, ...] or '
-          'ShareGPT: [{"conversations": [{"from": "human", "value": str}, {"from": "gpt", "value": str}, ...]}, ...]'
-          ' (a JSON list, or one object per line in a .jsonl file)')
 
-
-def _pair(rec, i: int, path: Path) -> tuple[str, str | None]:
-    """(user prompt, reference answer or None) of one record."""
-    if isinstance(rec, dict) and isinstance(rec.get("instruction"), str):
-        extra = rec.get("input") or ""
-        out = rec.get("output")
-        return rec["instruction"] + (f"\n\n{extra}" if extra else ""), out if isinstance(out, str) else None
-    if isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
-        turns = [t for t in rec["conversations"] if isinstance(t, dict) and isinstance(t.get("value"), str)]
-        for j, turn in enumerate(turns):  # the first user turn, and the reply after it
-            if turn.get("from") in ("human", "user"):
-                nxt = turns[j + 1] if j + 1 < len(turns) else None
-                ans = nxt["value"] if nxt is not None and nxt.get("from") in ("gpt", "assistant") else None
-                return turn["value"], ans
-    raise ConfigError(f"data.path: record {i} of {path} is neither Alpaca nor ShareGPT "
-                      f"(got {str(rec)[:80]!r}); expected {SCHEMA}")
-
-
-def load_pairs(path: str | Path, limit: int | None = None) -> list[tuple[str, str | None]]:
-    """(prompt, reference answer or None) from an Alpaca or ShareGPT JSON/JSONL file (first `limit`
-    records; records with an empty prompt are skipped)."""
-    p = Path(path)
-    recs = read_records(p, "data.path", f"{SCHEMA} (default {DEFAULT_DATA})")[:limit]
-    pairs = [x for x in (_pair(r, i, p) for i, r in enumerate(recs)) if x[0].strip()]
+def load_pairs(source: DataSource | str | Path, limit: int | None = None,
+               field: str = "distill.data") -> list[tuple[str, str | None]]:
+    """(prompt, reference answer or None) of the first `limit` Alpaca or ShareGPT records of
+    `source` (any DataSource: file or Hub id); records with an empty prompt are skipped. `field`
+    is the recipe field errors name."""
+    src = source if isinstance(source, DataSource) else DataSource(str(source))
+    pairs = [x for x in (ex.exchange() for ex in read_examples(src, field, True, limit)) if x[0].strip()]
     if not pairs:
-        raise ConfigError(f"data.path: {p} holds no usable prompts; expected {SCHEMA}")
+        raise ConfigError(f"{field}: {src} holds no usable prompts (every prompt is empty); expected {SCHEMAS}")
     return pairs
 
 
-def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """User prompts from an Alpaca or ShareGPT JSON/JSONL file (first `limit` records)."""
-    return [q for q, _ in load_pairs(path, limit)]
+def load_prompts(source: DataSource | str | Path, limit: int | None = None) -> list[str]:
+    """User prompts of the first `limit` Alpaca or ShareGPT records of `source`."""
+    return [q for q, _ in load_pairs(source, limit)]
 
 
 @dataclass
@@ -77,27 +58,49 @@ def _batches(n: int, size: int, lengths: list[int]) -> list[list[int]]:
 
 def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, max_prompt_tokens: int = 512,
-                 eos: set[int] | None = None, progress: bool = False, batch_size: int = 32) -> list[Sample]:
+                 eos: set[int] | None = None, progress: bool = False, batch_size: int = 32,
+                 shard_dir: Path | None = None) -> list[Sample]:
     """Base-model answers (chat template), `batch_size` prompts per decode loop (left-padded),
-    in the order of `prompts`. Prompts longer than max_prompt_tokens are left-truncated."""
+    in the order of `prompts`. Prompts longer than max_prompt_tokens are left-truncated.
+    Batch j samples with its own generator (seed, j), so it does not depend on the other batches;
+    with shard_dir each batch's answers are saved as a shard when done (`answers-JJJJJ.jsonl`) and
+    a finished shard is read instead of generated again."""
     from tqdm import tqdm
 
     from polybasic.runtime.batch import generate_batch
 
-    g = make_generator(seed)
     eos = eos if eos is not None else eos_ids(tokenizer)
     ids = [encode_prompt(tokenizer, text)[-max_prompt_tokens:] for text in prompts]
     out: list[Sample | None] = [None] * len(ids)
     n_new, t0 = 0, time.perf_counter()
     bar = tqdm(total=len(ids), desc="self-distill", unit="prompt", disable=not progress)
-    for idx in _batches(len(ids), batch_size, [len(x) for x in ids]):
-        for i, ans in zip(idx, generate_batch(model, [ids[i] for i in idx], max_new_tokens, sampling, eos, g)):
-            out[i] = Sample(ans.tokens, ans.n_prompt)
-            n_new += len(ans.tokens) - ans.n_prompt
+    for j, idx in enumerate(_batches(len(ids), batch_size, [len(x) for x in ids])):
+        def answer(idx=idx, j=j) -> list[dict]:
+            g = make_generator(seed_for(seed, 0, j))
+            return [{"tokens": a.tokens, "n_prompt": a.n_prompt}
+                    for a in generate_batch(model, [ids[i] for i in idx], max_new_tokens, sampling, eos, g)]
+
+        for i, ans in zip(idx, batch_shard(shard_dir, "answers", j, answer)):
+            out[i] = Sample(ans["tokens"], ans["n_prompt"])
+            n_new += len(ans["tokens"]) - ans["n_prompt"]
         bar.update(len(idx))
         bar.set_postfix(new_tok_s=f"{n_new / (time.perf_counter() - t0):.0f}")
     bar.close()
     return out
+
+
+def batch_shard(folder: Path | None, name: str, j: int, make) -> list:
+    """The JSON rows of batch j: read from folder/NAME-JJJJJ.jsonl when that shard is finished,
+    else `make()`d and saved there atomically (a resume point: fault point distill.samples_shard)."""
+    if folder is None:
+        return make()
+    path = Path(folder) / f"{name}-{j:05d}.jsonl"
+    if path.is_file():
+        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    rows = make()
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    fault_point("distill.samples_shard")
+    return rows
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
@@ -112,28 +115,31 @@ def user_turn_prefix(tokenizer) -> list[int]:
 
 
 def self_instruct(model, tokenizer, n: int, max_tokens: int = 96, seed: int = 0, batch_size: int = 32,
-                  progress: bool = False) -> list[str]:
+                  progress: bool = False, shard_dir: Path | None = None) -> list[str]:
     """`n` distinct user prompts written by the model itself (Magpie, Xu et al. 2024): the chat
     template is opened at a user turn and sampled (T=1, top-p 0.95) until the turn ends.
-    Unfinished, empty and repeated prompts are dropped; sampling stops after 3n attempts."""
+    Unfinished, empty and repeated prompts are dropped; sampling stops after 3n attempts.
+    Batch j samples with its own generator (seed, j); with shard_dir each batch's finished turns
+    are saved as a shard (`prompts-JJJJJ.jsonl`) and reused on a rerun."""
     from tqdm import tqdm
 
     from polybasic.runtime.batch import generate_batch
 
     prefix = user_turn_prefix(tokenizer)
     eos = eos_ids(tokenizer)
-    g = make_generator(seed)
     seen: dict[str, None] = {}
     bar = tqdm(total=n, desc="self-instruct", unit="prompt", disable=not progress)
-    for _ in range(-(-3 * n // batch_size)):
+
+    def turns(j: int) -> list[str]:  # the finished user turns of batch j
+        g = make_generator(seed_for(seed, 1, j))
+        rows = generate_batch(model, [prefix] * batch_size, max_tokens, SamplingConfig(1.0, 0, 0.95), eos, g)
+        return [tokenizer.decode(r.tokens[r.n_prompt:-1], skip_special_tokens=True).strip() for r in rows
+                if len(r.tokens) > r.n_prompt and r.tokens[-1] in eos]  # else no end of turn within max_tokens
+
+    for j in range(-(-3 * n // batch_size)):
         if len(seen) >= n:
             break
-        rows = generate_batch(model, [prefix] * batch_size, max_tokens, SamplingConfig(1.0, 0, 0.95), eos, g)
-        for row in rows:
-            new = row.tokens[row.n_prompt:]
-            if not new or new[-1] not in eos:  # no end of turn within max_tokens
-                continue
-            text = tokenizer.decode(new[:-1], skip_special_tokens=True).strip()
+        for text in batch_shard(shard_dir, "prompts", j, lambda: turns(j)):
             if len(text) >= 8 and text not in seen and len(seen) < n:
                 seen[text] = None
                 bar.update(1)
@@ -190,16 +196,12 @@ def compute_features(model, samples: list[Sample], batch_tokens: int = 4096, pro
 
 def save_feature_shard(path: Path, samples: list[Sample]) -> None:
     """One safetensors shard: concatenated tokens and features, offsets and prompt lengths."""
-    from safetensors.torch import save_file
-
     lens = torch.tensor([len(s.tokens) for s in samples])
     tensors = {"tokens": torch.tensor([t for s in samples for t in s.tokens], dtype=torch.int32),
                "feats": torch.cat([s.feats for s in samples]).contiguous(),  # [sum len, E]
                "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
                "n_prompt": torch.tensor([s.n_prompt for s in samples])}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "polybasic-features"})
-    tmp.replace(path)
+    save_safetensors(path, tensors, {"format": "polybasic-features"})
 
 
 def load_feature_shard(path: Path) -> list[Sample]:
@@ -246,14 +248,26 @@ def collate(batch: list[Sample], max_len: int = 1 << 30, prompt_loss: bool = Fal
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """Seeded shuffle per epoch, sharded over ranks: the order depends only on (seed, epoch), so a
-    run resumed at an epoch boundary sees the same batches as an uninterrupted one. With `lengths`
-    and `batch_size`, each batch holds sequences of similar length (sorted within windows of 32
-    batches, batch order shuffled): far less padding."""
+    """Seeded shuffle per epoch, sharded over ranks: the order depends only on (seed, epoch). With
+    `lengths` and `batch_size`, each batch holds sequences of similar length (sorted within windows
+    of 32 batches, batch order shuffled): far less padding.
+
+    Resumable mid-epoch: `state_dict()` holds the epoch and how many of its batches were handed out
+    (indices are drawn batch by batch, on demand); after `load_state_dict`, the iteration of that
+    epoch skips those batches, so a resumed run sees exactly the batches an uninterrupted one
+    would."""
 
     def __init__(self, n: int, seed: int = 0, lengths: list[int] | None = None, batch_size: int = 1) -> None:
         self.n, self.seed, self.epoch = n, seed, 0
         self.lengths, self.batch_size = lengths, batch_size
+        self.position = 0  # batches of this epoch handed out
+        self._resume: tuple[int, int] | None = None  # (epoch, batches to skip)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (int(state["epoch"]), int(state["batches"]))
 
     @staticmethod
     def _ranks() -> tuple[int, int]:
@@ -281,7 +295,15 @@ class EpochSampler(torch.utils.data.Sampler):
         rank, world = self._ranks()
         batches = self._batches()
         per = len(batches) // world
-        return iter([i for bt in batches[rank * per:(rank + 1) * per] for i in bt])
+        skip = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+        self._resume = None
+        return self._indices(batches[rank * per:(rank + 1) * per], skip)
+
+    def _indices(self, batches: list[list[int]], skip: int):
+        self.position = skip
+        for bt in batches[skip:]:
+            self.position += 1
+            yield from bt
 
     def __len__(self) -> int:
         return (self.n // self.batch_size) // self._ranks()[1] * self.batch_size

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from polybasic.errors import ConfigError, check
 from polybasic.models.args import BlockShape, ModelArgs
-from polybasic.models.llama import Block, KVCache, RMSNorm, Transformer
+from polybasic.models.families import block_for
+from polybasic.models.llama import KVCache, RMSNorm, Transformer
 
 DRAFTER_VERSION = 2
 
@@ -119,7 +120,7 @@ class EagleHead(nn.Module):
             nn.init.zeros_(self.fc.weight)
             if self.fc.bias is not None:
                 nn.init.zeros_(self.fc.bias)
-        self.layers = nn.ModuleList(Block(cfg.block_args()) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(block_for(cfg.block_args()) for _ in range(cfg.n_layers))  # the base family's
         self._set_caches(_NoCache)
         self.max_cache = 0
         if cfg.draft_vocab_size:  # draft id -> target id; saved with the head
@@ -246,7 +247,7 @@ class EagleHead(nn.Module):
         h = self.base.norm(hidden)
         out = self.base.output
         plain = isinstance(getattr(out, "weight", None), Tensor)  # not a quantized linear
-        if self.d2t is None and plain:
+        if self.d2t is None and plain and out.weight.dtype == h.dtype:
             return out(h)
         key = (id(out), h.dtype, h.device, None if self.d2t is None else (self.d2t.data_ptr(), self.d2t._version))
         if key not in self._draft_head:  # build the rows once per dtype, not per call
@@ -275,33 +276,38 @@ def frequent_tokens(samples, n: int, vocab_size: int) -> Tensor:
 
 
 def save_head(path: str | Path, head: EagleHead, extra: dict | None = None) -> None:
-    """Head weights as safetensors; DrafterConfig JSON (and `extra` strings) in the metadata."""
-    from safetensors.torch import save_file
+    """Head weights as safetensors, written atomically; DrafterConfig JSON (and `extra` strings) in
+    the metadata."""
+    from polybasic.artifacts import save_safetensors
 
     sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     meta = {"drafter_config": json.dumps(head.cfg.to_dict()), "format": "polybasic-eagle-head"}
     meta.update({k: str(v) for k, v in (extra or {}).items()})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(path), metadata=meta)
+    save_safetensors(path, sd, meta)
 
 
 def load_head(path: str | Path, base: Transformer | None = None) -> EagleHead:
     """Load a head saved by `save_head`; bound to `base` (hidden sizes are checked) when given."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from polybasic.models.preflight import FIX_HEAD, corrupt_safetensors, safetensors_metadata
 
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"drafter: checkpoint {p} does not exist; pass the path of a head.safetensors")
-    with safe_open(str(p), "pt") as f:
-        meta = f.metadata() or {}
+    meta = safetensors_metadata(p, FIX_HEAD)  # a damaged or truncated file: CorruptFileError
     if "drafter_config" not in meta:
         raise ConfigError(f"drafter: {p} has no drafter_config metadata; it is not a polybasic drafter head")
     cfg = DrafterConfig.from_dict(json.loads(meta["drafter_config"]))
     with torch.device("meta"):
         head = EagleHead(cfg)
+    try:
+        stored = load_file(str(p))
+    except SafetensorError as e:
+        raise corrupt_safetensors(p, FIX_HEAD, e) from None
     sd = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v  # heads saved before n_layers
-          for k, v in load_file(str(p)).items()}
+          for k, v in stored.items()}
     head.load_state_dict(sd, strict=True, assign=True)
     head.drop_caches()
     if base is not None:

@@ -22,6 +22,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from polybasic.artifacts import announce, fault_point, torch_save
 from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
 from polybasic.errors import ConfigError, check
 
@@ -47,6 +48,7 @@ class TrainConfig:
     max_len: int = 1024
     max_epochs: int = 1
     max_steps: int = -1
+    checkpoint_every_n_steps: int = 200  # last.ckpt also every N optimizer steps (0: only at epoch ends)
     strategy: str = "auto"
     devices: int = 1
     precision: str = "32-true"
@@ -63,6 +65,9 @@ class TrainConfig:
               "use 1 (teacher-forced only) or the draft length to train for, e.g. 3")
         check(0 < self.ttt_decay <= 1, "ttt_decay", f"must be in (0, 1], got {self.ttt_decay}", "use e.g. 0.8")
         check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "use 1 or more")
+        check(isinstance(self.checkpoint_every_n_steps, int) and self.checkpoint_every_n_steps >= 0,
+              "checkpoint_every_n_steps", f"must be an int >= 0, got {self.checkpoint_every_n_steps!r}",
+              "use e.g. 200 (0: checkpoint only at the end of each epoch)")
         check(self.version == TRAIN_VERSION, "version", f"is {self.version}, expected {TRAIN_VERSION}",
               "regenerate the recipe")
 
@@ -184,6 +189,61 @@ class HeadExport(L.Callback):
         self._write(trainer, module)
 
 
+class LastCheckpoint(L.Callback):
+    """`last.ckpt`, the resume point: written (atomically, see AtomicCheckpointIO) at the end of
+    every epoch, every `every_n_steps` optimizer steps within an epoch, and when training stops
+    elsewhere (max_steps). It holds the loops' progress, optimizer, scheduler and the sampler's
+    position in the epoch, so a resumed run continues with exactly the next batch.
+
+    On resume this callback hands the saved position back to the loader itself: Lightning 2.6 does
+    so only when it sets up the data after loading the checkpoint, but configure_optimizers reads
+    `estimated_stepping_batches`, which sets the data up before."""
+
+    def __init__(self, path: str | Path, every_n_steps: int) -> None:
+        self.path, self.every = Path(path), every_n_steps
+        self.saved_step = -1
+        self.loader_states: list[dict] = []
+
+    def on_load_checkpoint(self, trainer, module, checkpoint) -> None:
+        self.loader_states = checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader", [])
+
+    def _save(self, trainer: L.Trainer) -> None:
+        trainer.save_checkpoint(self.path)
+        self.saved_step = trainer.global_step
+        fault_point("train.checkpoint")
+
+    def on_train_start(self, trainer, module) -> None:
+        self.saved_step = trainer.global_step  # a resumed run starts from a saved state
+        loaders = trainer.train_dataloader
+        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        for loader, state in zip([x for x in loaders if isinstance(x, ResumableLoader)], self.loader_states):
+            loader.load_state_dict(state)
+        self.loader_states = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # the epoch end saves that one
+        if self.every and trainer.global_step % self.every == 0 and not last:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        self._save(trainer)
+
+    def on_train_end(self, trainer, module) -> None:
+        if trainer.global_step != self.saved_step:
+            self._save(trainer)
+
+
+def _atomic_checkpoint_io():
+    """Lightning's checkpoint writer, through polybasic.artifacts (temp file + os.replace)."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class AtomicCheckpointIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            torch_save(path, checkpoint)
+
+    return AtomicCheckpointIO()
+
+
 def deepspeed_config(cfg: TrainConfig) -> dict:
     """DeepSpeed ZeRO stage-2 config generated from the training config."""
     bf16 = cfg.precision.startswith("bf16")
@@ -215,16 +275,17 @@ def strategy_for(cfg: TrainConfig):
 
 
 def build_trainer(cfg: TrainConfig, out_dir: str | Path, **overrides) -> L.Trainer:
-    """Trainer with a `last.ckpt` (resumable) checkpoint per epoch and head.safetensors beside it."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
+    """Trainer writing `checkpoints/last.ckpt` (resumable; every epoch and every
+    cfg.checkpoint_every_n_steps steps) and head.safetensors beside it, both atomically."""
     out = Path(out_dir)
-    ckpt = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_epochs=1)
+    ckpt = LastCheckpoint(out / "checkpoints" / "last.ckpt", cfg.checkpoint_every_n_steps)
+    deepspeed = cfg.strategy == "deepspeed_stage_2"  # DeepSpeed writes its own checkpoint folder
     kw = dict(default_root_dir=str(out), max_epochs=cfg.max_epochs, max_steps=cfg.max_steps,
               strategy=strategy_for(cfg), devices=cfg.devices,
               accelerator="gpu" if cfg.strategy == "deepspeed_stage_2" else "auto",
               precision=cfg.precision, gradient_clip_val=None if cfg.strategy == "deepspeed_stage_2" else cfg.grad_clip,
-              callbacks=[ckpt, HeadExport(out)], log_every_n_steps=cfg.log_every, logger=False,
+              callbacks=[ckpt, HeadExport(out)], enable_checkpointing=False,
+              plugins=[] if deepspeed else [_atomic_checkpoint_io()], log_every_n_steps=cfg.log_every, logger=False,
               enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
               deterministic=False)
     kw.update(overrides)
@@ -240,8 +301,20 @@ def train_dataloader(dataset, cfg: TrainConfig):
     from polybasic.drafters.data import EpochSampler, collate
 
     sampler = EpochSampler(len(dataset), cfg.seed, [len(s.tokens) for s in dataset.samples], cfg.batch_size)
-    return torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                                       collate_fn=lambda b: collate(b, cfg.max_len, cfg.prompt_loss))
+    return ResumableLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                           collate_fn=lambda b: collate(b, cfg.max_len, cfg.prompt_loss))
+
+
+class ResumableLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose sampler's position in the epoch is saved in Lightning checkpoints
+    (Lightning stores the state of loaders with state_dict / load_state_dict). Batches are drawn
+    on demand (num_workers=0), so the position counts exactly the batches trained on."""
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
 
 
 def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str | Path,
@@ -258,5 +331,15 @@ def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str |
     module = DistillModule(base, head_cfg, cfg, d2t)
     last = Path(out_dir) / "checkpoints" / "last.ckpt"
     loader = train_dataloader(dataset, cfg)
-    trainer.fit(module, loader, ckpt_path=str(last) if resume and last.is_file() else None)
+    resume = resume and last.is_file()
+    if resume:
+        announce(f"resumed: training of {out_dir} from {last} ({_progress(last)})")
+    trainer.fit(module, loader, ckpt_path=str(last) if resume else None)
     return module
+
+
+def _progress(ckpt: Path) -> str:
+    """'epoch E, step S' of a Lightning checkpoint (epochs finished, optimizer steps done)."""
+    state = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
+    done = state["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
+    return f"{done} epoch(s) finished, step {state['global_step']}"

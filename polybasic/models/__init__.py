@@ -1,7 +1,11 @@
-"""Lean decoders, model args, and loaders (packaged GGUF, local HF folder, Hub id)."""
-from polybasic.models.args import ModelArgs
-from polybasic.models.llama import Transformer, build_model, hf_to_lean_state_dict
-from polybasic.models.loader import LoadedModel, load_hf_model, load_model, parse_dtype
+"""Lean decoders, model args, and loaders (packaged GGUF, local HF folder, Hub id).
 
-__all__ = ["ModelArgs", "Transformer", "build_model", "hf_to_lean_state_dict", "LoadedModel",
-           "load_model", "load_hf_model", "parse_dtype"]
+Names are imported on first use: `polybasic.models.registry` and `.preflight` stay free of torch.
+"""
+from polybasic._lazy import lazy_exports
+
+_EXPORTS = {"ModelArgs": "args", "Transformer": "llama", "build_model": "llama",
+            "hf_to_lean_state_dict": "llama", "LoadedModel": "loader", "load_model": "loader",
+            "load_hf_model": "loader", "parse_dtype": "loader"}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

@@ -1,11 +1,15 @@
 """One-token steps that read a GGUF model's block codes instead of its expanded fp32 weights.
 
-A GGUF file stores most weights as blocks of 32 codes with an f16 scale (and for Q4_1 an f16
-minimum). Loading expands every weight to fp32 (as transformers does): each value is
-`scale * code (+ minimum)` rounded once to fp32. A one-token step is bound by reading weights, so
-it can keep 1 byte per weight (the code) plus the fp32 scale/minimum per block and expand each
-weight in registers to the *same* fp32 value; products and sums stay fp32. Only the order of
-the fp32 sums differs from a BLAS GEMV (as with any fused kernel).
+A GGUF file stores most weights as blocks of codes sharing an f16 scale: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
+blocks of 32 (Q4_1/Q5_1 with an f16 minimum), and k-quant super-blocks of 256 whose sub-block
+scales are themselves quantized (Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scales and minimums under
+f16 d and dmin; Q6_K: 16 sub-blocks of 16 with int8 scales under an f16 d). Loading expands every
+weight to fp32 (as transformers does): each value is `scale * code (+ minimum)` rounded once to
+fp32, where the k-quant effective scales d*sc and minimums -dmin*m are exact in fp32 and expanded
+once here, per group of 32 or 16, so one form serves every type. A one-token step is bound by
+reading weights, so it can keep 1 byte per weight (the code) plus the fp32 scale/minimum per group
+and expand each weight in registers to the *same* fp32 value; products and sums stay fp32. Only
+the order of the fp32 sums differs from a BLAS GEMV (as with any fused kernel).
 
 `attach_codes` finds each GGUF tensor's rows inside the model's (fused) linears by content and
 attaches the codes only where expanding them reproduces the model's fp32 weight bit for bit.
@@ -22,15 +26,15 @@ from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
-BLOCK = 32  # values per block in Q4_0, Q4_1, Q8_0
+BLOCK = 32  # values per block in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (and per sub-block in Q4_K, Q5_K)
 
 
 @dataclass
 class BlockCodes:
-    """One 2-D GGUF tensor: N rows of K values in K/32 blocks."""
-    codes: Tensor  # [N, K/32, 32] uint8 (Q4_1) or int8 (Q4_0 minus 8, Q8_0)
-    scale: Tensor  # [N, K/32, 1] fp32
-    minimum: Tensor | None  # [N, K/32, 1] fp32 (Q4_1), else None
+    """One 2-D GGUF tensor: N rows of K values in groups of g (32, or 16 for Q6_K) sharing a scale."""
+    codes: Tensor  # [N, K/g, g] uint8 (Q4_1, Q5_1, Q4_K, Q5_K) or int8 (Q4_0, Q5_0, Q8_0, Q6_K: signed)
+    scale: Tensor  # [N, K/g, 1] fp32
+    minimum: Tensor | None  # [N, K/g, 1] fp32 added after the product (Q4_K, Q5_K: -dmin*m), else None
 
     def dequantize(self) -> Tensor:
         """[N, K] fp32, the values gguf (and so transformers) expands the tensor to."""
@@ -38,9 +42,18 @@ class BlockCodes:
 
 
 def expand(codes: Tensor, scale: Tensor, minimum: Tensor | None) -> Tensor:
-    """[N, K/32, 32] fp32 weights: `scale * code (+ minimum)`, one fp32 rounding, as gguf does."""
+    """[N, K/g, g] fp32 weights: `scale * code (+ minimum)`, one fp32 rounding, as gguf does.
+
+    Every scale is exact in fp32 (an f16 times a <= 8-bit integer), so gguf's k-quant formulas
+    (d*sc) * q - dmin*m reduce to this form bit for bit (x - y == x + (-y) in IEEE arithmetic).
+    """
     w = codes.float() * scale
     return w if minimum is None else w + minimum
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[n, 2] bytes -> [n, 1] fp32."""
+    return raw.copy().view(np.float16).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -48,34 +61,87 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes (a little-endian uint32) -> [n, 32] fifth bits, bit i for value i (Q5_0, Q5_1)."""
+    bits = qh.copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [n, 32]
+    return (bits & 1).astype(np.uint8) << 4
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 128] bytes -> [n, 8, 32]: sub-block 2j is the low nibbles of bytes 32j.., 2j+1 the high."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F).reshape(n, 8, 32)
+
+
+def _k_scales(raw: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-block header -> (scale, minimum) [n, 8, 1] fp32 of its 8 sub-blocks."""
+    from gguf.quants import Q4_K
+
+    sc, m = Q4_K.get_scale_min(scales)  # [n, 8] 6-bit each
+    d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])  # [n, 1]
+    return (d * sc.astype(np.float32))[..., None], -(dmin * m.astype(np.float32))[..., None]
+
+
+def _blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """raw [blocks, bytes] -> codes [blocks, S, g], scale and minimum [blocks, S, 1], following
+    gguf-py's dequantize for `kind` (S groups of g values per block)."""
+    n = raw.shape[0]
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        scale, minimum = _f16(raw[:, :2]), None
+        body = raw[:, 2:]
+        if kind in ("Q4_1", "Q5_1"):
+            minimum, body = _f16(raw[:, 2:4]), raw[:, 4:]
+        if kind == "Q8_0":
+            codes = body.copy().view(np.int8)
+        elif kind.startswith("Q4"):
+            codes = _nibbles(body)
+        else:
+            codes = _nibbles(body[:, 4:]) | _high_bits(body[:, :4])
+        if kind == "Q4_0":
+            codes = codes.astype(np.int8) - 8
+        elif kind == "Q5_0":
+            codes = codes.astype(np.int8) - 16
+        expand_dims = lambda a: None if a is None else a[:, None]  # noqa: E731  [blocks, 1, 1]
+        return codes[:, None], expand_dims(scale), expand_dims(minimum)
+    if kind == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+        scale, minimum = _k_scales(raw, raw[:, 4:16])
+        return _k_nibbles(raw[:, 16:144]), scale, minimum
+    if kind == "Q5_K":  # ... then 32 bytes of fifth bits (bit j of byte i: value i of sub-block j)
+        scale, minimum = _k_scales(raw, raw[:, 4:16])
+        qh = (raw[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, 8, 32]
+        return _k_nibbles(raw[:, 48:176]) | (qh << 4), scale, minimum
+    if kind == "Q6_K":  # 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, f16 d
+        ql = (raw[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F
+        qh = (raw[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
+        q = (ql.reshape(n, 8, 32) | (qh.reshape(n, 8, 32) << 4)).astype(np.int8) - 32
+        scale = _f16(raw[:, 208:210]) * raw[:, 192:208].copy().view(np.int8).astype(np.float32)  # [n, 16]
+        return q.reshape(n, 16, 16), scale[..., None], None
+    raise ValueError(f"GGUF block type {kind} has no code reader")
+
+
+KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # what read_codes reads
+
+
 def _parse(kind: str, raw: np.ndarray, n: int, k: int) -> BlockCodes:
-    """raw [n * k/32, block bytes] uint8 -> codes, following gguf-py's dequantize for `kind`."""
-    scale = raw[:, :2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
-    minimum = None
-    if kind == "Q4_1":
-        minimum = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
-        codes = _nibbles(raw[:, 4:])
-    elif kind == "Q4_0":
-        codes = _nibbles(raw[:, 2:]).astype(np.int8) - 8
-    else:  # Q8_0
-        codes = raw[:, 2:].copy().view(np.int8)
-    g = k // BLOCK
-    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).view(n, g, -1)  # noqa: E731
+    """raw [blocks, block bytes] uint8 of an [n, k] tensor -> its BlockCodes."""
+    codes, scale, minimum = _blocks(kind, raw)
+    g = codes.shape[-1]
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).view(n, k // g, -1)  # noqa: E731
     return BlockCodes(as_t(codes), as_t(scale), None if minimum is None else as_t(minimum))
 
 
 def read_codes(path: str | Path) -> list[BlockCodes]:
-    """Every 2-D Q4_0 / Q4_1 / Q8_0 tensor of a GGUF file."""
-    from gguf import GGUFReader
+    """Every 2-D tensor of a GGUF file in one of KINDS (F16/F32 and others keep their fp32 weights)."""
+    from gguf import GGML_QUANT_SIZES, GGUFReader
 
     out = []
     for t in GGUFReader(str(path)).tensors:
         kind = t.tensor_type.name
-        if kind not in ("Q4_0", "Q4_1", "Q8_0") or len(t.shape) != 2:
+        if kind not in KINDS or len(t.shape) != 2:
             continue
         k, n = (int(s) for s in t.shape)  # GGUF lists the contiguous dim first
-        raw = np.asarray(t.data, dtype=np.uint8).reshape(n * (k // BLOCK), -1)
-        out.append(_parse(kind, raw, n, k))
+        block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
+        out.append(_parse(kind, np.asarray(t.data, dtype=np.uint8).reshape(-1, block_bytes), n, k))
     return out
 
 
@@ -95,11 +161,35 @@ def _row_keys(w: Tensor) -> list[int]:
     return [hash(row.tobytes()) for row in a]
 
 
+def _stack_rows(tensors: list[BlockCodes], rows: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Rows of (possibly differently coded) tensors as one BlockCodes layout, same fp32 values.
+
+    A fused linear may mix block types (Q4_K_M stores some v or down projections as Q6_K): the
+    common layout takes the smallest group (a group of 32 becomes two of 16 with the same scale),
+    int8 codes if any row is signed (unsigned codes here are < 32) and a zero minimum for rows
+    without one (w + 0.0 == w).
+    """
+    group = min(t.codes.shape[-1] for t in tensors)
+    signed = any(t.codes.dtype == torch.int8 for t in tensors)
+    with_min = any(t.minimum is not None for t in tensors)
+    codes, scale, minimum = [], [], []
+    for t, r in zip(tensors, rows):
+        rep = t.codes.shape[-1] // group
+        split = (lambda a: a.repeat_interleave(rep, 0)) if rep > 1 else (lambda a: a)  # noqa: E731
+        c, sc = t.codes[r].reshape(-1, group), split(t.scale[r])  # [K/g, g], [K/g, 1]
+        codes.append(c.to(torch.int8) if signed else c)
+        scale.append(sc)
+        if with_min:
+            minimum.append(split(t.minimum[r]) if t.minimum is not None else torch.zeros_like(sc))
+    return torch.stack(codes), torch.stack(scale), torch.stack(minimum) if with_min else None
+
+
 def attach_codes(model: nn.Module, path: str | Path) -> int:
     """Give the model's fp32 linears `codes`, `code_scale`, `code_min` buffers from a GGUF file.
 
     A linear gets them only if every one of its rows is found among the file's tensors and the
-    expanded codes equal its weight exactly. Returns how many linears got codes.
+    expanded codes equal its weight exactly (a bias, if any, stays as it is). Returns how many
+    linears got codes.
     """
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32
                and m.weight.device.type == "cpu" and m.in_features % BLOCK == 0]
@@ -115,13 +205,7 @@ def attach_codes(model: nn.Module, path: str | Path) -> int:
         hits = [where.get(key) for key in _row_keys(lin.weight)]
         if None in hits:
             continue
-        layouts = {(tensors[t].codes.dtype, tensors[t].codes.shape[1:], tensors[t].minimum is None)
-                   for t, _ in hits}
-        if len(layouts) != 1:  # rows from tensors of different block formats: keep the fp32 weight
-            continue
-        pick = lambda field: torch.stack([getattr(tensors[t], field)[r] for t, r in hits])  # noqa: E731
-        minimum = None if layouts.pop()[2] else pick("minimum")
-        codes, scale = pick("codes"), pick("scale")
+        codes, scale, minimum = _stack_rows([tensors[t] for t, _ in hits], [r for _, r in hits])
         if not torch.equal(BlockCodes(codes, scale, minimum).dequantize(), lin.weight):
             continue
         lin.register_buffer("codes", codes, persistent=False)
@@ -147,5 +231,6 @@ def project(lin: nn.Module, x: Tensor) -> Tensor:
     """lin(x), except that a one-token step under torch.compile reads the block codes (if attached)."""
     codes = getattr(lin, "codes", None)
     if codes is not None and x.shape[-2] == 1 and x.dim() == 3 and torch.compiler.is_compiling():
-        return coded_matvec(_realized(x), codes, lin.code_scale, lin.code_min)
+        y = coded_matvec(_realized(x), codes, lin.code_scale, lin.code_min)  # [B, 1, N]
+        return y if lin.bias is None else y + lin.bias
     return lin(x)

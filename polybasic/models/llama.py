@@ -1,4 +1,5 @@
-"""Lean Llama-family decoder (gpt-fast style) with a preallocated, rollback-able KV cache.
+"""Lean decoder (gpt-fast style) with a preallocated, rollback-able KV cache, and the Llama block
+that the Llama and Qwen2 families share (models.families picks the block per family).
 
 The model is stateless about *where* the sequence ends: every call names the absolute position of
 its first token (`start`). Rolling back to an accepted length L is therefore free: the next call
@@ -33,6 +34,13 @@ class KVCache(nn.Module):
         self.k.narrow(2, start, m).copy_(k)
         self.v.narrow(2, start, m).copy_(v)
         return self.k.narrow(2, 0, start + m), self.v.narrow(2, 0, start + m)
+
+
+class NoCache(nn.Module):
+    """Stand-in for KVCache when a block sees a whole sequence from position 0 (calibration)."""
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return k, v
 
 
 def rope_tables(args: ModelArgs, max_seq_len: int, device=None) -> tuple[Tensor, Tensor]:
@@ -74,7 +82,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_out, bias=False)
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)  # [q; k; v] rows
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
@@ -135,7 +143,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        from polybasic.models.families import block_for
+
+        self.layers = nn.ModuleList(block_for(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -234,24 +244,10 @@ class Transformer(nn.Module):
 
 
 def hf_to_lean_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Map a transformers Llama state dict onto ours (fusing q/k/v and gate/up)."""
-    out = {"tok_embeddings.weight": sd["model.embed_tokens.weight"],
-           "norm.weight": sd["model.norm.weight"]}
-    if not args.tie_embeddings:
-        out["output.weight"] = sd["lm_head.weight"]
-    for i in range(args.n_layers):
-        p = f"model.layers.{i}."
-        q = f"layers.{i}."
-        out[q + "attention.wqkv.weight"] = torch.cat(
-            [sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
-             sd[p + "self_attn.v_proj.weight"]])
-        out[q + "attention.wo.weight"] = sd[p + "self_attn.o_proj.weight"]
-        out[q + "feed_forward.w13.weight"] = torch.cat(
-            [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-        out[q + "feed_forward.w2.weight"] = sd[p + "mlp.down_proj.weight"]
-        out[q + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
-        out[q + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
-    return out
+    """Map a transformers state dict onto ours, through args.family's mapping."""
+    from polybasic.models.families import family_for
+
+    return family_for(args.family).hf_to_lean(sd, args)
 
 
 def build_model(args: ModelArgs, state_dict: dict[str, Tensor], dtype: torch.dtype = torch.float32,

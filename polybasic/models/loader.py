@@ -10,8 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +18,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from polybasic.errors import ConfigError, ModelNotFoundError
+from polybasic.artifacts import atomic_path, clean_partials
+from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError
 from polybasic.models.args import ModelArgs
 from polybasic.models.llama import Transformer, build_model, hf_to_lean_state_dict, use_decode_layout
+from polybasic.models.preflight import (DTYPE_NAMES, check_gguf, corrupt_safetensors, fix_for_folder,
+                                        fix_for_gguf, source_kind)
 from polybasic.models.registry import REGISTRY, cache_root, gguf_path
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -65,50 +66,46 @@ def _convert_gguf(gguf: Path, key: str) -> Path:
 
     log.info("converting %s to a Hugging Face folder (once; ~30 s)", gguf)
     t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    # transformers refuses save_pretrained on GGUF-loaded models; the weights are dequantized fp32
-    # already, so write the config and the tensors ourselves.
-    cfg = hf.config.to_dict()
-    cfg.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    tied = bool(cfg.get("tie_word_embeddings"))
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
-    save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
-    tok.save_pretrained(tmp)
-    (tmp / "polybasic_source.json").write_text(json.dumps({"gguf": str(gguf)}))
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
+    fix = fix_for_gguf(gguf, key)
+    check_gguf(gguf, fix)
+    try:  # transformers' GGUF reader fails on damaged files with these, deep inside
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, OSError, EOFError, IndexError, KeyError, struct.error) as e:
+        raise CorruptFileError(f"{gguf}: cannot be read as a GGUF model ({type(e).__name__}: {e}); the file "
+                               f"is damaged, truncated or of an unsupported architecture; {fix}") from None
+    clean_partials(folder.parent, recursive=False)  # conversions killed midway
+    with atomic_path(folder) as tmp:  # a process that finishes first wins; ours is then dropped
+        tmp.mkdir()
+        # transformers refuses save_pretrained on GGUF-loaded models; the weights are dequantized
+        # fp32 already, so write the config and the tensors ourselves.
+        cfg = hf.config.to_dict()
+        cfg.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tied = bool(cfg.get("tie_word_embeddings"))
+        sd = {k: v.contiguous() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
+        tok.save_pretrained(tmp)
+        (tmp / "polybasic_source.json").write_text(json.dumps({"gguf": str(gguf)}))
     log.info("converted in %.1f s -> %s", time.perf_counter() - t0, folder)
     return folder
 
 
 def resolve_hf_folder(source: str) -> Path:
     """A local HF folder for a short name, .gguf path, HF folder or Hub id."""
-    if source in REGISTRY:
+    kind = source_kind(source)  # the rules, and their errors, in models.preflight
+    if kind == "registry":
         return _convert_gguf(gguf_path(REGISTRY[source]), source)
     p = Path(source).expanduser()
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise ModelNotFoundError(f"model: GGUF file {p} does not exist; check the path")
+    if kind == "gguf":
         st = p.stat()
         digest = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
         return _convert_gguf(p, f"{p.stem}-{digest}")
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelNotFoundError(f"model: folder {p} has no config.json; point to a Hugging Face "
-                                     "model folder or a .gguf file")
+    if kind == "folder":
         return p
-    if p.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
-        raise ModelNotFoundError(
-            f"model: '{source}' is not a known name ({', '.join(REGISTRY)}), an existing .gguf file, "
-            "a Hugging Face folder or a Hub id (owner/name)")
+    if kind == "quantized":
+        raise ConfigError(f"model: {p} is a quantized copy, which has no Hugging Face folder; load it "
+                          "with load_model")
     from huggingface_hub import snapshot_download
 
     try:
@@ -126,6 +123,8 @@ def resolve_hf_folder(source: str) -> Path:
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every *.safetensors tensor of a model folder; a damaged file raises CorruptFileError."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
@@ -134,7 +133,10 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
                                  "checkpoint to safetensors")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(f))
+        try:
+            sd.update(load_file(f))
+        except SafetensorError as e:
+            raise corrupt_safetensors(f, fix_for_folder(folder), e) from None
     return sd
 
 

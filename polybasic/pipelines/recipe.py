@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from polybasic.errors import ConfigError
+from polybasic.data import DEFAULT_DATA, DataSource, resolve_path
+from polybasic.errors import ConfigError, check
 from polybasic.pipelines.distill import DistillSection
+from polybasic.pipelines.sections import BenchSection, ExportSection, PlanSection, ProfileSection
+from polybasic.pipelines.stages import NAMES
 from polybasic.pipelines.serde import atomic_write_text, dump_recipe, from_dict, load_yaml, to_dict
 from polybasic.quant.calibrate import CalibrationConfig
 
@@ -41,22 +44,18 @@ class RecipeHeader:
     model: ModelSection = field(default_factory=ModelSection)
 
 
-DEFAULT_CALIB_DATA = "../shared/data/alpaca_1000/alpaca_data_cleaned_1000.json"
-
-
-
-
 @dataclass
 class QuantizeSection:
     """The `quantize` stage: calibrate (calib), evaluate a grid of schemes x methods, save one model.
 
     The saved model is calib.method at calib's bits, executed with `kernel` in `exec_dtype`.
-    data: JSON list or JSONL of {instruction, input, output} (or {text}); the last `holdout`
-    records are never used for calibration and are the evaluation text.
+    data: Alpaca, ShareGPT or {text} records (a DataSource: a file or a Hub id, see
+    polybasic.data.DataSource; default the bundled Alpaca subset); the last `holdout` records are
+    never used for calibration and are the evaluation text.
     """
 
     calib: CalibrationConfig = field(default_factory=CalibrationConfig)
-    data: str = DEFAULT_CALIB_DATA
+    data: DataSource = field(default_factory=lambda: DataSource(DEFAULT_DATA))
     holdout: int = 100
     eval_seq_len: int = 256
     eval_windows: int = 48  # at most this many held-out windows of eval_seq_len tokens
@@ -94,10 +93,31 @@ class QuantizeSection:
 
 @dataclass
 class Recipe(RecipeHeader):
+    stages: list[str] = field(default_factory=lambda: list(NAMES))  # what `polybasic run` runs, in table order
     quantize: QuantizeSection = field(default_factory=QuantizeSection)
     distill: DistillSection = field(default_factory=DistillSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
+    plan: PlanSection = field(default_factory=PlanSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    bench: BenchSection = field(default_factory=BenchSection)
+
+    def __post_init__(self) -> None:
+        for i, name in enumerate(self.stages):
+            check(name in NAMES, f"stages[{i}]", f"unknown stage {name!r}", f"use some of {', '.join(NAMES)}")
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Parse a recipe YAML into a Recipe; every error names the field (before any heavy work)."""
-    return from_dict(Recipe, load_yaml(path))
+    """Parse a recipe YAML into a Recipe; every error names the field (before any heavy work).
+
+    Relative data paths written in the recipe (quantize.data, distill.data, distill.quantized)
+    are made absolute against the recipe file's folder; out_dir stays relative to the current
+    directory. Defaults are absolute already (the bundled data beside the repo checkout).
+    """
+    recipe = from_dict(Recipe, load_yaml(path))
+    base = Path(path).absolute().parent
+    recipe.quantize.data = recipe.quantize.data.resolved(base)
+    recipe.distill.data = recipe.distill.data.resolved(base)
+    recipe.profile.data = recipe.profile.data.resolved(base)
+    if recipe.distill.quantized:
+        recipe.distill.quantized = resolve_path(recipe.distill.quantized, base)
+    return recipe

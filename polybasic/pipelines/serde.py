@@ -1,18 +1,20 @@
 """Dataclasses <-> YAML with errors that name the offending field, and atomic text writes.
 
 `from_dict(cls, data, path)` builds a dataclass tree from a mapping, rejecting unknown keys and
-wrong types with the dotted field path (e.g. `quantize.calib.epochs`).
+wrong types with the dotted field path (e.g. `quantize.calib.epochs`). A dataclass with a
+`SHORTHAND` ClassVar also accepts a plain value, which fills that one field (`data: PATH` is
+`data: {path: PATH}`).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 import typing
 from pathlib import Path
 
 import yaml
 
+from polybasic.artifacts import write_text
 from polybasic.errors import ConfigError
 
 
@@ -21,6 +23,9 @@ def from_dict(cls, data, path: str = ""):
     where = path or "recipe"
     if data is None:
         data = {}
+    shorthand = getattr(cls, "SHORTHAND", None)  # a ClassVar naming the field a plain value fills
+    if shorthand and not isinstance(data, dict):
+        data = {shorthand: data}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -48,6 +53,11 @@ def _coerce(tp, value, path: str):
         return _coerce(args[0], value, path)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        k_tp, v_tp = typing.get_args(tp) or (object, object)
+        return {_coerce(k_tp, k, path): _coerce(v_tp, v, f"{path}.{k}") for k, v in value.items()}
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
@@ -78,12 +88,8 @@ def load_yaml(path: str | Path) -> dict:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write via a temporary file and os.replace: readers never see a half-written file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, p)
+    """Write via a temp file and os.replace (polybasic.artifacts): never a half-written file."""
+    write_text(path, text)
 
 
 def dump_recipe(obj, path: str | Path) -> None:

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from polybasic.errors import ConfigError, ModelNotFoundError
+from polybasic.models.preflight import FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors, safetensors_metadata
 from polybasic.quant.config import QuantConfig
 from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
 
-FORMAT = "polybasic.quant"
+FORMAT = QUANT_FORMAT
 LM_HEAD = "output"
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -83,10 +84,10 @@ def quantized_modules(model: nn.Module) -> dict[str, str]:
 
 
 def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfig, source: str = "") -> Path:
-    """Write model's state dict + config to one safetensors file, atomically (tmp + os.replace).
+    """Write model's state dict + config to one safetensors file, atomically (polybasic.artifacts).
     source: the float model's source (short name, folder, ...), so `load_model(path)` finds its
     architecture and tokenizer."""
-    from safetensors.torch import save_file
+    from polybasic.artifacts import save_safetensors
 
     path = Path(path)
     tensors, aliases, seen = {}, {}, {}
@@ -101,25 +102,17 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfi
     meta = {"format": FORMAT, "quant_config": json.dumps(config.to_dict()), "dtype": str(dtype),
             "modules": json.dumps(quantized_modules(model)), "aliases": json.dumps(aliases),
             "source": source}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_safetensors(path, tensors, meta)
     return path
 
 
 def quant_header(path: str | os.PathLike) -> dict[str, str]:
-    """The metadata of a polybasic quantized checkpoint (errors name the problem)."""
-    from safetensors import safe_open
-
+    """The metadata of a polybasic quantized checkpoint, read from its checked header (errors name
+    the problem: missing, damaged or truncated file, another format)."""
     path = Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"path: quantized checkpoint {path} does not exist; run quantize first")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    meta = safetensors_metadata(path, FIX_QUANTIZED)
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path}: not a polybasic quantized checkpoint (metadata format="
                           f"{meta.get('format')!r}); save it with save_quantized")
@@ -142,6 +135,7 @@ def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.
     kernel: run with another execution kernel than the one recorded (the stored state is
     kernel-independent), e.g. 'dequant' where int4pack is unavailable.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     config, modules, aliases, dtype = read_quant_metadata(path)
@@ -161,7 +155,10 @@ def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.
         _swap(model, config, plan, device)
     except AttributeError as e:
         raise ConfigError(f"{path}: {e}; build the architecture the checkpoint was saved from") from None
-    sd = load_file(str(path), device=str(device))
+    try:
+        sd = load_file(str(path), device=str(device))
+    except SafetensorError as e:
+        raise corrupt_safetensors(path, FIX_QUANTIZED, e) from None
     for alias, name in aliases.items():
         sd[alias] = sd[name]
     model.load_state_dict(sd, strict=True, assign=True)

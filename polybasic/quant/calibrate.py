@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from polybasic.artifacts import fault_point, seed_for, torch_save
 from polybasic.errors import ConfigError, PolybasicError, check
-from polybasic.models.llama import apply_rope, rope_tables, use_decode_layout
+from polybasic.models.families import block_for
+from polybasic.models.llama import NoCache, rope_tables, use_decode_layout
 from polybasic.quant.config import BITS, METHODS, QuantConfig
 from polybasic.quant.linear import KERNEL_CLASSES, choose_kernel
 from polybasic.quant.primitives import (fake_quantize_activation, fake_quantize_weight,
@@ -41,6 +42,7 @@ from polybasic.quant.primitives import (fake_quantize_activation, fake_quantize_
 LINEARS = {"wqkv": "attention.wqkv", "wo": "attention.wo", "w13": "feed_forward.w13",
            "w2": "feed_forward.w2"}
 NORMS = {"attention_norm": "attention_norm", "ffn_norm": "ffn_norm"}
+BIASES = {"wqkv_bias": "attention.wqkv"}  # present when the family's q/k/v have biases (Qwen2)
 DOMINANCE_MARGIN = 0.05  # off-diagonal row sum <= (1 - margin) * |diagonal|
 SCALE_CLAMP = 1e-5
 
@@ -156,6 +158,10 @@ def merge_transforms(fp: dict[str, Tensor], params: dict[str, Tensor], n_heads: 
         qk, v = w["wqkv"][:(h + g) * d], w["wqkv"][(h + g) * d:]
         v = torch.einsum("gij,gie->gje", a, v.reshape(g, d, -1)).reshape(g * d, -1)  # A^T Wv_g
         w["wqkv"] = torch.cat([qk, v])
+        if "wqkv_bias" in w:  # v = Wv x + bv, so bv <- A^T bv as well
+            b = w["wqkv_bias"]
+            bv = torch.einsum("gij,gi->gj", a, b[(h + g) * d:].reshape(g, d)).reshape(g * d)
+            w["wqkv_bias"] = torch.cat([b[:(h + g) * d], bv])
         inv = torch.linalg.inv(a).repeat_interleave(h // g, dim=0)  # [H, D, D]
         wo = w["wo"].reshape(w["wo"].shape[0], h, d)  # [E, H, D]
         w["wo"] = torch.einsum("ehd,hkd->ehk", wo, inv).reshape(wo.shape[0], h * d)  # Wo_h A^-T
@@ -173,30 +179,31 @@ def fake_quantize_block(w: dict[str, Tensor], params: dict[str, Tensor], cfg: Ca
     return out
 
 
-def block_forward(x: Tensor, w: dict[str, Tensor], n_heads: int, n_kv: int, head_dim: int, eps: float,
-                  cos: Tensor, sin: Tensor, a_bits: int = 16, a_symmetric: bool = False,
-                  stats: dict | None = None) -> Tensor:
-    """The decoder block of models.llama as a pure function of its weights, causal from position 0.
+def block_forward(x: Tensor, w: dict[str, Tensor], args, cos: Tensor, sin: Tensor, a_bits: int = 16,
+                  a_symmetric: bool = False, stats: dict | None = None) -> Tensor:
+    """args.family's decoder block (models.families) as a pure function of the weights w (keys of
+    LINEARS, NORMS, BIASES), causal from position 0.
 
     x [N, L, E]; cos, sin [L, 1, D] (sin sign-folded). Inputs of the four linears are fake-quantized
     per token when a_bits < 16. stats: filled with per-channel max|input| of wqkv and w13 [E].
     """
-    n, l, e = x.shape
-    h, g, d = n_heads, n_kv, head_dim
-    aq = lambda t: fake_quantize_activation(t, a_bits, a_symmetric)  # noqa: E731
-    xn = F.rms_norm(x, (e,), w["attention_norm"], eps)
-    qkv = F.linear(aq(xn), w["wqkv"]).view(n, l, h + 2 * g, d)  # [N, L, H+2G, D]
-    qk = apply_rope(qkv[:, :, :h + g], cos, sin, sin_signed=True)
-    q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)  # [N, H|G, L, D]
-    v = qkv[:, :, h + g:].transpose(1, 2)  # [N, G, L, D]
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=l > 1, enable_gqa=h != g)  # [N, H, L, D]
-    hid = F.linear(aq(y.transpose(1, 2).reshape(n, l, h * d)), w["wo"]) + x
-    fn = F.rms_norm(hid, (e,), w["ffn_norm"], eps)
-    gate, up = F.linear(aq(fn), w["w13"]).chunk(2, dim=-1)  # [N, L, I] each
-    if stats is not None:
-        stats["wqkv"] = xn.detach().abs().amax((0, 1))
-        stats["w13"] = fn.detach().abs().amax((0, 1))
-    return F.linear(aq(F.silu(gate) * up), w["w2"]) + hid
+    with torch.device("meta"):
+        block = block_for(args)  # weights come from w below
+    block.attention.kv_cache = NoCache()
+
+    def quantize_input(key):
+        def hook(mod, inputs):
+            (t,) = inputs
+            if stats is not None and key in ("wqkv", "w13"):
+                stats[key] = t.detach().abs().amax((0, 1))
+            return (fake_quantize_activation(t, a_bits, a_symmetric),)
+        return hook
+
+    for key, fqn in LINEARS.items():
+        block.get_submodule(fqn).register_forward_pre_hook(quantize_input(key))
+    names = {**{k: f"{fqn}.weight" for k, fqn in {**LINEARS, **NORMS}.items()},
+             **{k: f"{fqn}.bias" for k, fqn in BIASES.items()}}
+    return torch.func.functional_call(block, {names[k]: v for k, v in w.items()}, (x, cos, sin, None, 0))
 
 
 def block_loss(out: Tensor, target: Tensor) -> Tensor:
@@ -208,6 +215,8 @@ def block_weights(block: nn.Module) -> dict[str, Tensor]:
     """fp32 detached copies of a models.llama.Block's weights."""
     w = {k: block.get_submodule(fqn).weight.detach().float().clone() for k, fqn in LINEARS.items()}
     w.update({k: block.get_submodule(fqn).weight.detach().float().clone() for k, fqn in NORMS.items()})
+    w.update({k: b.detach().float().clone() for k, fqn in BIASES.items()
+              if (b := block.get_submodule(fqn).bias) is not None})
     return w
 
 
@@ -245,12 +254,6 @@ def _detach(params: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in params.items()}
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _act_maxima(fwd, x: Tensor, bs: int) -> dict[str, Tensor]:
     """Per-channel max|input| [E] of wqkv and w13 over all samples of x [N, L, E]."""
     stats: dict[str, Tensor] = {}
@@ -271,25 +274,26 @@ def calibrate(model: nn.Module, tokens: Tensor, cfg: CalibrationConfig, work_dir
               progress: bool = True) -> list[dict]:
     """Calibrate every block of a models.llama.Transformer on tokens [N, L] (positions 0..L-1).
 
-    Returns, per block, {"weights": transformed fp32 weights, "params": learned params}; pass it to
-    build_quantized_model. work_dir: each finished block's params are saved there atomically
-    (block_XXX.pt) and reused on a rerun with the same config, so an interrupted job resumes.
+    Returns, per block, {"weights": transformed fp32 weights, "params": learned params, "resumed":
+    whether the params were read from work_dir}; pass it to build_quantized_model. work_dir: each
+    finished block's params are saved there atomically (block_XXX.pt) and reused on a rerun with
+    the same config, so an interrupted job resumes. Block i's epoch e draws its sample order from
+    its own generator (cfg.seed, i, e), so a resumed run equals an uninterrupted one exactly.
     """
     from tqdm.auto import tqdm
 
     check_group_sizes(model, cfg)
     args = model.args
-    h, g, d, eps = args.n_heads, args.n_kv_heads, args.head_dim, args.norm_eps
+    h, g, d = args.n_heads, args.n_kv_heads, args.head_dim
     n, l = tokens.shape
     cos, sin = rope_tables(args, l)  # [L, D]
     sin = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [L, 1, D]
     fwd = lambda x, w, a_bits=16, stats=None: block_forward(  # noqa: E731
-        x, w, h, g, d, eps, cos, sin, a_bits, cfg.a_symmetric, stats)
+        x, w, args, cos, sin, a_bits, cfg.a_symmetric, stats)
     work = Path(work_dir) if work_dir is not None else None
     if work is not None:
         work.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(cfg.seed)
     bs = cfg.batch_size
     with torch.no_grad():
         fp_x = model.tok_embeddings(tokens).float()  # [N, L, E]
@@ -304,31 +308,33 @@ def calibrate(model: nn.Module, tokens: Tensor, cfg: CalibrationConfig, work_dir
         fp = block_weights(block)
         fp_out = _batched(lambda x: fwd(x, fp), fp_x, 8)  # [N, L, E] target
         saved = work / f"block_{i:03d}.pt" if work is not None else None
-        if saved is not None and saved.is_file():
+        resumed = saved is not None and saved.is_file()
+        if resumed:
             params = torch.load(saved)
             bar.update(cfg.epochs if train else 1)
         else:
             stats = _act_maxima(lambda x, st: fwd(x, fp, 16, st), q_x, bs) if cfg.uses_transforms else {}
             params = init_params(fp, stats, cfg, g, d)
             if train:
-                params = _train_block(params, fp, q_x, fp_out, fwd, cfg, prefix, gen, bar, d)
+                params = _train_block(params, fp, q_x, fp_out, fwd, cfg, prefix, i, bar, d)
             else:
                 bar.update(1)
             params = _detach(params)
             if saved is not None:
-                _atomic_save(params, saved)
+                torch_save(saved, params)
+                fault_point("calibrate.block")
         with torch.no_grad():
             w = merge_transforms(fp, params, h, g, d, full_mask)
             wq = fake_quantize_block(w, params, cfg, prefix)
             q_x = _batched(lambda x: fwd(x, wq, cfg.a_bits), q_x, 8)
         fp_x = fp_out
-        results.append({"weights": {k: v.detach() for k, v in w.items()}, "params": params})
+        results.append({"weights": {k: v.detach() for k, v in w.items()}, "params": params, "resumed": resumed})
     bar.close()
     return results
 
 
-def _train_block(params, fp, q_x, fp_out, fwd, cfg, prefix, gen, bar, head_dim):
-    """AdamW over one block's params; raises CalibrationDiverged on a non-finite loss."""
+def _train_block(params, fp, q_x, fp_out, fwd, cfg, prefix, layer, bar, head_dim):
+    """AdamW over block `layer`'s params; raises CalibrationDiverged on a non-finite loss."""
     tr = [v for k, v in params.items() if not k.endswith((".gamma", ".beta"))]
     clip = [v for k, v in params.items() if k.endswith((".gamma", ".beta"))]
     groups = [{"params": tr, "lr": cfg.lr_transform}] if tr else []
@@ -337,7 +343,7 @@ def _train_block(params, fp, q_x, fp_out, fwd, cfg, prefix, gen, bar, head_dim):
     n = q_x.shape[0]
     for epoch in range(cfg.epochs):
         mask = band_mask(head_dim, gradual_width(epoch, cfg.epochs, head_dim), cfg.stability)
-        perm = torch.randperm(n, generator=gen)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed_for(cfg.seed, layer, epoch)))
         losses = []
         for j in range(0, n, cfg.batch_size):
             idx = perm[j:j + cfg.batch_size]
@@ -380,19 +386,19 @@ def rtn_block_mse(model: nn.Module, tokens: Tensor, cfg: CalibrationConfig, laye
     sub = SimpleNamespace(args=args, tok_embeddings=model.tok_embeddings, layers=list(model.layers)[:layer + 1])
     rtn = calibrate(sub, tokens, CalibrationConfig(**{**cfg.to_dict(), "method": "rtn"}), progress=False)
     cal = calibrate(sub, tokens, cfg, progress=False)
-    h, g, d = args.n_heads, args.n_kv_heads, args.head_dim
+    d = args.head_dim
     cos, sin = rope_tables(args, tokens.shape[1])
     sin = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     with torch.no_grad():
         x = model.tok_embeddings(tokens).float()
         for blk in list(model.layers)[:layer]:
-            x = block_forward(x, block_weights(blk), h, g, d, args.norm_eps, cos, sin)
-        target = block_forward(x, block_weights(model.layers[layer]), h, g, d, args.norm_eps, cos, sin)
+            x = block_forward(x, block_weights(blk), args, cos, sin)
+        target = block_forward(x, block_weights(model.layers[layer]), args, cos, sin)
         out = []
         for res, c in ((rtn[-1], CalibrationConfig(**{**cfg.to_dict(), "method": "rtn"})), (cal[-1], cfg)):
             wq = fake_quantize_block(res["weights"], res["params"], c, f"layers.{layer}")
-            y = block_forward(x, wq, h, g, d, args.norm_eps, cos, sin, c.a_bits, c.a_symmetric)
+            y = block_forward(x, wq, args, cos, sin, c.a_bits, c.a_symmetric)
             out.append(block_loss(y, target).item())
     return out[0], out[1]
 
@@ -416,8 +422,9 @@ def build_quantized_model(model: nn.Module, results: list[dict], config: QuantCo
                                              p.get(f"{key}.gamma"), p.get(f"{key}.beta"), name)
             out, k = q.shape
             kernel = choose_kernel(config, k, out, torch.device(device), name, dtype)
-            mod = KERNEL_CLASSES[kernel].from_quantized(q.to(device), scale.to(device), zero.to(device),
-                                                        config, None, name)
+            bias = w.get(f"{key}_bias")
+            mod = KERNEL_CLASSES[kernel].from_quantized(q.to(device), scale.to(device), zero.to(device), config,
+                                                        None if bias is None else bias.to(device, dtype), name)
             parent, _, attr = fqn.rpartition(".")
             setattr(block.get_submodule(parent), attr, mod)
     if config.quantize_lm_head:

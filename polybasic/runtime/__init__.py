@@ -1,9 +1,12 @@
-"""Decoding: vanilla generation, the lossless N-level chain, levels, sampling, statistics."""
-from polybasic.runtime.chain import Chain
-from polybasic.runtime.generate import GenerationStats, generate_tokens
-from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
-from polybasic.runtime.sampling import SamplingConfig, make_generator
-from polybasic.runtime.stats import ChainStats
+"""Decoding: vanilla generation, the lossless N-level chain, levels, sampling, statistics.
 
-__all__ = ["Chain", "ChainStats", "GenerationStats", "Level", "ModelLevel", "NGramLevel",
-           "SamplingConfig", "generate_tokens", "make_generator"]
+Names are imported on first use: `polybasic.runtime.chainspec` stays free of torch.
+"""
+from polybasic._lazy import lazy_exports
+
+_EXPORTS = {"Chain": "chain", "GenerationStats": "generate", "generate_tokens": "generate",
+            "Level": "levels", "ModelLevel": "levels", "NGramLevel": "levels", "SamplingConfig": "sampling",
+            "make_generator": "sampling", "ChainStats": "stats", "load": "bundle", "BundleDecoder": "bundle",
+            "push_bundle": "hub"}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

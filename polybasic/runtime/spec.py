@@ -1,61 +1,63 @@
-"""Chains spelled as text: the levels below the target, '+'-separated.
+"""Chains from their specs: build the levels a `ChainSpec` names (see runtime.chainspec).
 
-  ngram | ngram:N        prompt-lookup proposer (longest n-gram N, default 3)
-  SOURCE[@DTYPE]         any model source load_model accepts (short name, .gguf, HF folder, Hub id)
-  target@DTYPE           the target's own weights in another dtype (e.g. a bf16 copy)
-  PATH.safetensors       a quantized copy of the target written by `polybasic quantize`
-  eagle:PATH             an EAGLE drafter head (`polybasic distill`) drafting on the features of
-                         the level just above it (which must be a model)
-Examples: "target@bfloat16+ngram" (three levels with the target on top), "eagle:runs/x/head.safetensors".
+`build_chain(spec, target)` checks every file first (headers only), then builds each level with
+its kind's builder; `parse_chain(text, target)` is the `--chain` spelling parsed and built.
 """
 from __future__ import annotations
 
-from polybasic.errors import ConfigError
-from polybasic.models.loader import DTYPES, LoadedModel, load_model
+from polybasic._lazy import load_entry
+from polybasic.models.loader import LoadedModel, load_model
+from polybasic.runtime.chainspec import KINDS, ChainSpec, LevelSpec, check_chain_files, named, parse_chain_spec
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 
 
-def parse_level(item: str, target: LoadedModel, above: Level, device: str = "cpu") -> Level:
-    """One level from its spelling; `above` is the level it drafts for."""
-    item = item.strip()
-    if not item:
-        raise ConfigError("chain: empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
-    if item.startswith("eagle:"):
-        from polybasic.drafters.head import load_head
-        from polybasic.drafters.level import EagleLevel
-
-        if not isinstance(above, ModelLevel):
-            raise ConfigError(f"chain: '{item}' drafts on the features of the level above it, but "
-                              f"'{above.name}' is not a model; put the head right below a model level")
-        return EagleLevel(load_head(item[len("eagle:"):], above.model), above, name=item)
-    if item == "ngram" or item.startswith("ngram:"):
-        n = item.partition(":")[2] or "3"
-        if not n.isdigit():
-            raise ConfigError(f"chain: '{item}' needs an integer n-gram size, e.g. ngram:3")
-        return NGramLevel(max_ngram=int(n), name=item)
-    if item.endswith(".safetensors"):
-        from polybasic.models.llama import Transformer
-        from polybasic.quant import load_quantized
-
-        model = load_quantized(item, lambda: Transformer(target.args), device=device)
-        return ModelLevel(model, name=item, tokenizer=target.tokenizer)
-    source, dtype = item, "float32"
-    if "@" in item and item.rsplit("@", 1)[1] in DTYPES:
-        source, dtype = item.rsplit("@", 1)
-    if source == "target":
-        source = target.name
-    lm = load_model(source, dtype, device)
-    return ModelLevel(lm.model, name=item, tokenizer=lm.tokenizer)
+def build_ngram(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+    return NGramLevel(max_ngram=spec.max_ngram, name=spec.name)
 
 
-def parse_chain(spec: str, target: LoadedModel, device: str = "cpu") -> list[Level]:
-    """Target level first, then the levels the spec names. A spec may start with 'target+'."""
-    items = spec.split("+")
-    if items[0] == "target":
-        items = items[1:]
-    if not items:
-        raise ConfigError(f"chain: '{spec}' names no level below the target; e.g. 'target@bf16+ngram'")
+def build_eagle(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+    from polybasic.drafters.head import load_head
+    from polybasic.drafters.level import EagleLevel
+
+    return EagleLevel(load_head(spec.path, above.model), above, name=spec.name)
+
+
+def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+    from polybasic.models.llama import Transformer
+    from polybasic.quant import load_quantized
+
+    model = load_quantized(spec.path, lambda: Transformer(target.args), device=device)
+    return ModelLevel(model, name=spec.name, tokenizer=target.tokenizer)
+
+
+def _model_level(source: str, spec: LevelSpec, device: str) -> Level:
+    lm = load_model(source, spec.dtype, device)
+    return ModelLevel(lm.model, name=spec.name, tokenizer=lm.tokenizer)
+
+
+def build_target(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+    return _model_level(target.name, spec, device)
+
+
+def build_model(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+    """Another model (e.g. a smaller sibling of the target): its tokenizer must be the target's."""
+    from polybasic.models.tokenizer_check import check_same_tokenizer
+
+    level = _model_level(spec.source, spec, device)
+    check_same_tokenizer(target.tokenizer, level.tokenizer, spec.name)
+    return level
+
+
+def build_chain(spec: ChainSpec, target: LoadedModel, device: str = "cpu", flag: str = "chain") -> list[Level]:
+    """Target level first, then the spec's levels; every file is checked before any level loads."""
+    check_chain_files(spec, flag)
     levels: list[Level] = [ModelLevel(target.model, name="target", tokenizer=target.tokenizer)]
-    for item in items:
-        levels.append(parse_level(item, target, levels[-1], device))
+    for lv in spec.levels:
+        with named(f"{flag}: level '{lv.name}'"):
+            levels.append(load_entry(KINDS[lv.kind].builder)(lv, target, levels[-1], device))
     return levels
+
+
+def parse_chain(text: str, target: LoadedModel, device: str = "cpu", flag: str = "chain") -> list[Level]:
+    """The levels `text` spells (see runtime.chainspec), the target's first. May start with 'target+'."""
+    return build_chain(parse_chain_spec(text, flag), target, device, flag)

@@ -9,7 +9,8 @@ from tests.helpers import lean_from_hf, tiny_hf_llama
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--bundle", "b"], "bundles arrive with a later version"),
+    (["--bundle", "b"], "the bundle names its target; drop --model"),
+    (["--methods", "vanilla,chain"], "pass --bundle"),
     (["--methods", "vanilla,nope"], "methods: unknown nope"),
     (["--methods", "hf,hf"], "names a method twice"),
     (["--methods", "vanilla:x"], "takes no ':' argument"),
@@ -77,3 +78,26 @@ def test_sampling_run_reports_no_identity(tiny_model_dir, questions_file, tmp_pa
     d = json.loads(out.read_text())
     assert all(v["identical_to_vanilla"] is None for v in d["methods"].values())
     assert len(d["records"]) == 12
+
+
+def test_questions_without_categories_report_one_category(tiny_model_dir, tmp_path):
+    from tests.bench.conftest import write_questions
+
+    q = write_questions(tmp_path / "flat.jsonl", [{"question_id": i, "turns": [f"w{i} w{i + 1} w{i}"]}
+                                                  for i in range(3)])
+    out, rep = tmp_path / "b.json", tmp_path / "rep"
+    assert main(["bench", "--model", str(tiny_model_dir), "--questions", str(q), "--per-category", "2",
+                 "--max-new-tokens", "4", "--methods", "pld", "--json", str(out), "--report", str(rep),
+                 "--no-progress", "--warmup", "0"]) == 0
+    d = json.loads(out.read_text())
+    assert d["config"]["categories"] == ["uncategorized"] and d["config"]["prompts"] == 2
+    assert all(list(v["per_category"]) == ["uncategorized"] for v in d["methods"].values())
+    assert "uncategorized" in (rep / "report.md").read_text()
+
+
+def test_help_lists_every_method():
+    from polybasic.bench.cli import METHOD_NAMES
+    from polybasic.bench.methods import METHODS, TAKES_ARG
+
+    # 'chain' alone runs a --bundle's chain
+    assert set(METHOD_NAMES) == {m + ":SPEC" if m in TAKES_ARG else m for m in METHODS} | {"chain"}

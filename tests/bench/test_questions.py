@@ -1,7 +1,7 @@
 """Question loading, validation and deterministic per-category selection."""
 import pytest
 
-from polybasic.bench.questions import DEFAULT_QUESTIONS, Question, load_questions, select
+from polybasic.bench.questions import DEFAULT_QUESTIONS, UNCATEGORIZED, Question, load_questions, select
 from polybasic.errors import ConfigError
 from tests.bench.conftest import write_questions
 
@@ -24,9 +24,10 @@ def test_default_spec_bench_file_if_present():
 
 @pytest.mark.parametrize("line, words", [
     ("{not json", "not valid JSON"),
-    ('{"question_id": 1, "turns": ["x"]}', "lacks a field"),
+    ('{"category": "a", "turns": ["x"]}', "lacks a field"),
+    ('{"question_id": 1, "category": "a"}', "lacks a field"),
     ('{"question_id": 1, "category": "a", "turns": []}', "'turns' must be"),
-    ('{"question_id": 1, "category": "", "turns": ["x"]}', "'category' must be"),
+    ('{"question_id": 1, "category": 5, "turns": ["x"]}', "'category' must be a string"),
     ('[1, 2]', "lacks a field"),
 ])
 def test_malformed_lines_name_line_and_schema(tmp_path, line, words):
@@ -66,3 +67,15 @@ def test_select_categories(questions_file):
 def test_accepts_string_ids(tmp_path):
     p = write_questions(tmp_path / "q.jsonl", [{"question_id": "a-1", "category": "c", "turns": ["hi"]}])
     assert load_questions(p)[0].question_id == "a-1"
+
+
+def test_missing_or_empty_category_is_one_category(tmp_path):
+    """Public question sets without categories load as one category, which select keeps whole."""
+    p = write_questions(tmp_path / "flat.jsonl", [{"question_id": 0, "turns": ["a"]},
+                                                  {"question_id": 1, "category": "", "turns": ["b"]},
+                                                  {"question_id": 2, "category": None, "turns": ["c"]}])
+    qs = load_questions(p)
+    assert [(q.question_id, q.category, q.prompt) for q in qs] == [
+        (0, UNCATEGORIZED, "a"), (1, UNCATEGORIZED, "b"), (2, UNCATEGORIZED, "c")]
+    assert select(qs, per_category=2) == qs[:2]
+    assert select(qs, categories=[UNCATEGORIZED]) == qs

@@ -10,7 +10,7 @@ from polybasic.bench.runner import Record
 def doc():
     records = [Record("vanilla", 1, "qa", 5, 4, 1.0, None, [1, 2, 3, 4]),
                Record("pld", 1, "qa", 5, 4, 0.5, 2.0, [1, 2, 3, 4])]
-    return build_document(records, True, machine_info("float32", "polybasic bench --x 1"), {"model": "m"})
+    return build_document(records, True, machine_info("float32", "polybasic bench --x 1"), {}, {"model": "m"})
 
 
 def test_document_schema():

@@ -30,16 +30,18 @@ def test_formats(tmp_path):
 
 
 def test_errors(tmp_path):
-    with pytest.raises(DataNotFoundError, match="data.path: .* does not exist.*Alpaca"):
+    with pytest.raises(DataNotFoundError, match=r"distill\.data: .*nope\.json does not exist"):
         load_prompts(tmp_path / "nope.json")
-    with pytest.raises(ConfigError, match="Alpaca: .*instruction.*ShareGPT: .*conversations"):
+    with pytest.raises(ConfigError, match="record 1 of .*Alpaca .*instruction.*ShareGPT .*conversations"):
         load_prompts(write(tmp_path, "bad.json", [{"question": "q"}]))
     with pytest.raises(ConfigError, match="not a list"):
         load_prompts(write(tmp_path, "dict.json", {"instruction": "x"}))
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_prompts(write(tmp_path, "broken.json", "[{"))
-    with pytest.raises(ConfigError, match="no usable prompts"):
+    with pytest.raises(ConfigError, match="holds no records"):
         load_prompts(write(tmp_path, "empty.json", []))
+    with pytest.raises(ConfigError, match="no usable prompts"):
+        load_prompts(write(tmp_path, "blank.json", [{"instruction": " "}]))
     with pytest.raises(ConfigError, match="empty"):
         DistillDataset([], 64)
 

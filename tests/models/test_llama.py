@@ -1,4 +1,5 @@
-"""The lean decoder against transformers' LlamaForCausalLM in fp32."""
+"""The lean decoder against transformers' LlamaForCausalLM and Qwen2ForCausalLM (q/k/v biases,
+rope theta 1e6) in fp32, tied and untied."""
 from copy import deepcopy
 
 import pytest
@@ -7,12 +8,14 @@ import torch
 from polybasic.errors import ConfigError
 from polybasic.models import ModelArgs
 from polybasic.models.llama import apply_rope, use_decode_layout
-from tests.helpers import lean_from_hf, tiny_hf_llama
+from tests.helpers import TINY_HF, lean_from_hf, tiny_hf, tiny_hf_llama
 
 
-@pytest.fixture(params=[True, False], ids=["tied", "untied"])
+@pytest.fixture(params=[(f, t) for f in TINY_HF for t in (True, False)],
+                ids=[f"{f}-{t}" for f in TINY_HF for t in ("tied", "untied")])
 def pair(request):
-    hf = tiny_hf_llama(tie=request.param)
+    family, tie = request.param
+    hf = tiny_hf(family, tie=tie)
     return hf, lean_from_hf(hf)
 
 
@@ -80,8 +83,9 @@ def test_last_only_equals_last_row(pair):
     torch.testing.assert_close(last, full[:, -1:])
 
 
-def test_bf16_close_to_fp32():
-    hf = tiny_hf_llama()
+@pytest.mark.parametrize("family", list(TINY_HF))
+def test_bf16_close_to_fp32(family):
+    hf = tiny_hf(family)
     a, b = lean_from_hf(hf), lean_from_hf(hf, torch.bfloat16)
     a.setup_caches(32)
     b.setup_caches(32)
@@ -108,6 +112,26 @@ def test_model_args_validation():
                   intermediate_size=8)
     with pytest.raises(ConfigError, match="unknown fields"):
         ModelArgs.from_dict({"vocab_size": 8, "bogus": 1})
+    with pytest.raises(ConfigError, match="ModelArgs.family.*unknown family 'gpt2'.*llama, qwen2"):
+        ModelArgs(vocab_size=8, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=4,
+                  intermediate_size=8, family="gpt2")
+
+
+def test_family_configs_refuse_what_the_block_lacks():
+    from transformers import LlamaConfig, Qwen2Config
+
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        ModelArgs.from_hf_config(Qwen2Config(use_sliding_window=True, max_window_layers=0))
+    with pytest.raises(ConfigError, match="attention_bias"):
+        ModelArgs.from_hf_config(LlamaConfig(attention_bias=True))
+    with pytest.raises(ConfigError, match="hidden_act: 'gelu'"):
+        ModelArgs.from_hf_config(Qwen2Config(hidden_act="gelu"))
+    with pytest.raises(ConfigError, match="model_type: 'gpt2' is not supported.*supported: llama, qwen2"):
+        from types import SimpleNamespace
+
+        ModelArgs.from_hf_config(SimpleNamespace(model_type="gpt2"))
+    args = ModelArgs.from_hf_config(tiny_hf("qwen2", tie=False).config)
+    assert (args.family, args.qkv_bias, args.rope_theta, args.tie_embeddings) == ("qwen2", True, 1e6, False)
 
 
 def test_decode_layout_keeps_ties_and_logits(pair):

@@ -6,7 +6,7 @@ import torch
 import yaml
 
 from polybasic.errors import ConfigError
-from polybasic.pipelines import quantize as Q
+from polybasic.pipelines.run import run_recipe
 from polybasic.pipelines.recipe import Recipe, from_dict, load_recipe
 from tests.helpers import tiny_hf_folder
 
@@ -35,7 +35,7 @@ def _recipe(tmp_path):
 
 def test_quantize_stage_writes_model_report_recipe_and_resumes(tmp_path, monkeypatch):
     path = _recipe(tmp_path)
-    assert Q.run(str(path)) == 0
+    run_recipe(str(path), only=("quantize",))
     out = tmp_path / "out"
     for f in ("model.safetensors", "recipe.yaml", "report.md", "report.json"):
         assert (out / f).is_file(), f
@@ -57,7 +57,13 @@ def test_quantize_stage_writes_model_report_recipe_and_resumes(tmp_path, monkeyp
     import polybasic.quant.calibrate as C
 
     monkeypatch.setattr(C, "_train_block", lambda *a, **k: pytest.fail("retrained a saved block"))
-    assert Q.run(str(path), str(out)) == 0
+    record = out / ".stages" / "quantize.json"
+    before = record.read_text()
+    run_recipe(str(path), str(out), only=("quantize",))  # the run loop skips it: inputs unchanged
+    assert record.read_text() == before
+    record.unlink()  # forgotten: the stage runs again and reuses every saved block
+    run_recipe(str(path), str(out), only=("quantize",))
+    assert json.loads(record.read_text())["fingerprint"] == json.loads(before)["fingerprint"]
 
 
 def test_recipe_errors_name_the_field(tmp_path):
@@ -72,7 +78,8 @@ def test_recipe_errors_name_the_field(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump({"quantize": {"data": str(tmp_path / "missing.json")}, "model": {"source": "x"}}))
     with pytest.raises(FileNotFoundError, match=r"quantize\.data"):
-        Q.run(str(p), str(tmp_path / "o"))
+        run_recipe(str(p), str(tmp_path / "o"), only=("quantize",))
+    assert not (tmp_path / "o").exists()
 
 
 def test_quantized_lm_head_option(tmp_path):
@@ -81,7 +88,7 @@ def test_quantized_lm_head_option(tmp_path):
     r["quantize"].update(quantize_lm_head=True, schemes=["w4a4"], methods=["rtn"],
                          calib={**r["quantize"]["calib"], "method": "rtn"})
     path.write_text(yaml.safe_dump(r))
-    assert Q.run(str(path)) == 0
+    run_recipe(str(path), only=("quantize",))
     from polybasic.models.llama import Transformer
     from polybasic.models.loader import load_model
     from polybasic.quant import load_quantized

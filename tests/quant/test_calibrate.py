@@ -7,7 +7,7 @@ from polybasic.quant import calibrate as C
 from polybasic.quant.calibrate import (CalibrationConfig, CalibrationDiverged, affine_matrix, band_mask,
                                        block_forward, block_weights, build_quantized_model, calibrate,
                                        dominant, gradual_width, merge_transforms, rtn_block_mse)
-from tests.helpers import lean_from_hf, tiny_hf_llama
+from tests.helpers import TINY_HF, lean_from_hf, tiny_hf, tiny_hf_llama
 
 
 @pytest.fixture(scope="module")
@@ -15,21 +15,32 @@ def tiny():
     return lean_from_hf(tiny_hf_llama(init_std=0.2, vocab=128, hidden=64, heads=4, kv_heads=2))
 
 
+@pytest.fixture(scope="module", params=list(TINY_HF))
+def tiny_any(request, tiny):
+    """The Llama `tiny`, then the same shapes as a Qwen2 (q/k/v biases): calibration runs each
+    family's own block."""
+    if request.param == "llama":
+        return tiny
+    return lean_from_hf(tiny_hf(request.param, init_std=0.2, vocab=128, hidden=64, heads=4, kv_heads=2))
+
+
 def _rope(model, n, length):
     model.setup_caches(length, n)
     return model.rope_cos[:length], model.rope_sin[:length]
 
 
-def test_block_forward_matches_model_block(tiny):
+def test_block_forward_matches_model_block(tiny_any):
+    tiny = tiny_any
     x = torch.randn(2, 16, 64)
     cos, sin = _rope(tiny, 2, 16)
     ref = tiny.layers[0](x.clone(), cos, sin, None, 0)
     a = tiny.args
-    y = block_forward(x, block_weights(tiny.layers[0]), a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, cos, sin)
+    y = block_forward(x, block_weights(tiny.layers[0]), a, cos, sin)
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
 
 
-def test_merged_transforms_reproduce_fp_block(tiny):
+def test_merged_transforms_reproduce_fp_block(tiny_any):
+    tiny = tiny_any
     """Equivalence: diagonal norm-side scales and per-head v->o matrices merged into the weights
     leave the block output unchanged when nothing is quantized."""
     torch.manual_seed(0)
@@ -42,7 +53,7 @@ def test_merged_transforms_reproduce_fp_block(tiny):
               "a_vo": torch.eye(d).repeat(a.n_kv_heads, 1, 1) + 0.5 * torch.randn(a.n_kv_heads, d, d)}
     w2 = merge_transforms(w, params, a.n_heads, a.n_kv_heads, d, band_mask(d, d, 1.0))
     assert not torch.allclose(w2["wqkv"], w["wqkv"]) and not torch.allclose(w2["wo"], w["wo"])
-    f = lambda ww: block_forward(x, ww, a.n_heads, a.n_kv_heads, d, a.norm_eps, cos, sin)  # noqa: E731
+    f = lambda ww: block_forward(x, ww, a, cos, sin)  # noqa: E731
     torch.testing.assert_close(f(w2), f(w), rtol=1e-4, atol=1e-4)
 
 
@@ -75,7 +86,8 @@ def test_calibration_beats_rtn_block_mse(tiny, method):
     assert cal < 0.95 * rtn, (rtn, cal)
 
 
-def test_quantized_model_matches_calibrated_fake_quant(tiny):
+def test_quantized_model_matches_calibrated_fake_quant(tiny_any):
+    tiny = tiny_any
     """The real model (dequant kernel) computes what calibration optimised."""
     tokens = torch.randint(0, 128, (4, 16))
     cfg = CalibrationConfig(method="affinequant", group_size=16, n_samples=4, seq_len=16, epochs=1)
@@ -87,7 +99,7 @@ def test_quantized_model_matches_calibrated_fake_quant(tiny):
         x = tiny.tok_embeddings(tokens)
         for i, r in enumerate(res):
             wq = C.fake_quantize_block(r["weights"], r["params"], cfg, f"layers.{i}")
-            x = block_forward(x, wq, a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, cos, sin, 4)
+            x = block_forward(x, wq, a, cos, sin, 4)
         _, hidden = qm(tokens, 0)
     torch.testing.assert_close(hidden, x, rtol=1e-4, atol=1e-4)
 

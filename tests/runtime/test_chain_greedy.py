@@ -5,21 +5,22 @@ import torch
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel, NGramLevel
-from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf_llama
+from tests.helpers import TINY_HF, lean_from_hf, perturbed_copy, tiny_hf
 
 # init_std 0.2 gives models with structure; perturbations chosen for partial acceptance
 # (measured: close ~0.7, far ~0.25, small ~0 of drafted tokens accepted)
 KW = dict(vocab=96, hidden=48, layers=2, heads=4, kv_heads=2, init_std=0.2)
 
 
-@pytest.fixture(scope="module")
-def models():
-    hf = tiny_hf_llama(seed=0, **KW)
+@pytest.fixture(scope="module", params=list(TINY_HF))
+def models(request):
+    """Every level of one family (Llama, Qwen2 with q/k/v biases)."""
+    hf = tiny_hf(request.param, seed=0, **KW)
     return {
         "target": lean_from_hf(hf),
         "close": lean_from_hf(perturbed_copy(hf, 0.02, seed=1)),
         "far": lean_from_hf(perturbed_copy(hf, 0.06, seed=2)),
-        "small": lean_from_hf(tiny_hf_llama(seed=3, **{**KW, "hidden": 32, "layers": 1})),
+        "small": lean_from_hf(tiny_hf(request.param, seed=3, **{**KW, "hidden": 32, "layers": 1})),
     }
 
 

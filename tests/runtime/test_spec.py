@@ -57,3 +57,12 @@ def test_eagle_head_level(target, tmp_path):
     assert out == list(generate_tokens(target.model, prompt, 24))
     with pytest.raises(ConfigError, match="not a model"):
         parse_chain(f"ngram+eagle:{tmp_path / 'h.safetensors'}", target)
+
+
+def test_another_model_level_must_share_the_targets_tokenizer(target, tmp_path):
+    tiny_hf_folder(tmp_path / "same", hidden=32, layers=1, init_std=0.2)  # another model, same tokenizer
+    levels = parse_chain(str(tmp_path / "same"), target)
+    assert [lv.name for lv in levels] == ["target", str(tmp_path / "same")]
+    tiny_hf_folder(tmp_path / "other", vocab=32, hidden=32, layers=1)
+    with pytest.raises(ConfigError, match=r"chain: level '.*other'.*tokenizer differs from the target's"):
+        parse_chain(str(tmp_path / "other"), target)

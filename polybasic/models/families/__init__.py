@@ -1,0 +1,48 @@
+"""Model families: what the lean decoder needs to know about one transformers architecture.
+
+A `Family` maps a transformers config to `ModelArgs`, a transformers state dict to the lean
+decoder's names, and names the decoder block its layers (and calibration, and drafter heads built
+on it) use. GGUF files reach us through transformers' GGUF converter (HF names) and their block
+codes are matched to the lean weights by content (models.gguf_codes), so `gguf_arch` only names the
+file's `general.architecture`.
+
+Adding a family = one module in this package that defines a `Family` (reuse the Llama pieces for
+what it shares) plus one entry in `FAMILIES` below, keyed by the config's `model_type`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+from polybasic.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # transformers config.model_type
+    gguf_arch: str  # GGUF general.architecture
+    args_from_config: Callable[[Any], Any]  # transformers config -> ModelArgs (ConfigError if unsupported)
+    hf_to_lean: Callable[[dict[str, Tensor], Any], dict[str, Tensor]]  # (HF state dict, args) -> lean names
+    block: Callable[[Any], nn.Module]  # ModelArgs -> one decoder block (models.llama.Block interface)
+
+
+def family_for(model_type: str) -> Family:
+    """The family of a transformers `model_type`; ConfigError naming the supported ones."""
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type: '{model_type}' is not supported by the lean decoder (supported: "
+                          f"{', '.join(FAMILIES)}); use a model of one of these families")
+    return FAMILIES[model_type]
+
+
+def block_for(args) -> nn.Module:
+    """A new decoder block of args.family, shaped by args (a ModelArgs or any BlockShape)."""
+    return family_for(args.family).block(args)
+
+
+from polybasic.models.families import llama, qwen2  # noqa: E402  (the modules use Family)
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY)}
+
+__all__ = ["Family", "FAMILIES", "family_for", "block_for"]

@@ -1,0 +1,39 @@
+"""The `bench` stage: the exported bundle's chain beside vanilla on Spec-Bench questions (the bench
+command's own machinery, on the target the run already holds), writing `<out>/bench/report.md` and
+`bench.json` with the plan's predicted speedup beside the measured one."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _args(recipe, out: Path) -> argparse.Namespace:
+    """The `polybasic bench --bundle` options this stage stands for."""
+    b, p = recipe.bench, recipe.profile
+    return argparse.Namespace(
+        bundle=str(out / recipe.export.folder), model=None, dtype=recipe.model.dtype,
+        questions=b.questions or None, per_category=b.per_category,
+        categories=",".join(b.categories) or None, max_new_tokens=b.max_new_tokens, methods=b.methods,
+        temperature=p.temperature, top_k=0, top_p=p.top_p, draft_tokens=p.k, adaptive_k=False, seed=0,
+        warmup=b.warmup, threads=None, json_out=str(out / "bench" / "bench.json"), report=str(out / "bench"),
+        no_progress=False)
+
+
+def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
+    from polybasic.bench.questions import load_questions, select
+    from polybasic.pipelines.run import require
+
+    require(out, f"{recipe.export.folder}/manifest.json", "export", upstream, "bench")
+    b = recipe.bench
+    select(load_questions(b.questions or None), b.per_category, b.categories or None)
+
+
+def run_stage(ctx) -> list[Path]:
+    from polybasic.bench.cli import _validate, run_bench
+    from polybasic.runtime.bundle import load
+
+    a = _args(ctx.recipe, ctx.out)
+    methods, sampling, questions = _validate(a)
+    bundle = load(a.bundle, target=ctx.target, verify_target=False)
+    run_bench(a, methods, sampling, questions, ctx.target, bundle)
+    return [ctx.out / "bench" / "bench.json", ctx.out / "bench" / "report.md"]

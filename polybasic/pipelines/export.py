@@ -1,0 +1,49 @@
+"""The `export` stage: the plan's best chain as a bundle folder (runtime.bundle), with the profile and
+plan it came from, the machine it was measured on and the resolved recipe."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
+    from polybasic.pipelines.run import require
+
+    require(out, "plan.json", "plan", upstream, "export")
+
+
+def plan_summary(row: dict) -> dict:
+    """What the manifest keeps of the chosen plan row."""
+    return {"chain": row["spec"], "k": row["k"], "thresholds": row["thresholds"],
+            "predicted_speedup": row["speedup"], "predicted_speedup_lemma": row["speedup_lemma"],
+            "predicted_ms_per_token": row["ms_per_token"], "tau": row["tau"],
+            "model": "measured-curve model (polybasic.planner.cost)"}
+
+
+def run_stage(ctx) -> list[Path]:
+    import yaml
+
+    from polybasic.bench.report import machine_info
+    from polybasic.models.loader import load_tokenizer, resolve_hf_folder
+    from polybasic.pipelines.profile import chain_spelling
+    from polybasic.pipelines.serde import to_dict
+    from polybasic.runtime.bundle import Decoding, export_bundle
+    from polybasic.runtime.chainspec import parse_chain_spec
+
+    out, recipe = ctx.out, ctx.recipe
+    plan = json.loads((out / "plan.json").read_text())
+    best = plan["rows"][0]
+    spec = parse_chain_spec(chain_spelling(best["chain"], out), "plan.json best chain")
+    sec = recipe.profile
+    decoding = Decoding(k=best["k"], thresholds=tuple(best["thresholds"]) or None,
+                        temperature=sec.temperature, top_p=sec.top_p)
+    toks = {lv.name: load_tokenizer(resolve_hf_folder(lv.source)) for lv in spec.levels if lv.kind == "model"}
+    folder = out / recipe.export.folder
+    export_bundle(folder, recipe.model.source, recipe.model.dtype, spec, decoding, ctx.target.tokenizer,
+                  profile=json.loads((out / "profile.json").read_text()),
+                  plan={**plan_summary(best), "candidates": len(plan["rows"])},
+                  recipe_yaml=yaml.safe_dump(to_dict(recipe), sort_keys=False),
+                  machine=machine_info(recipe.model.dtype, f"polybasic run {ctx.recipe_path}"),
+                  level_tokenizers=toks)
+    print(f"wrote {folder} (chain {best['spec']}, predicted {best['speedup']:.2f}x)")
+    return [folder / "manifest.json"]

@@ -1,0 +1,164 @@
+"""The `profile` stage: every candidate level's forward cost and every verifier <- drafter pair's
+acceptance, on the device the chain will run on, written as `<out>/profile.json` (planner.Profile).
+
+Candidates are chain-level spellings (pipelines.sections); the recipe's own outputs are named
+`quantized`, `eagle:target`, `eagle:quantized`, and the profile names levels as the recipe does
+(`chain_spelling` turns a profiled chain into the files of a run). Pairs: a model verifies every other model level
+but the target, the n-gram proposer, and the EAGLE head trained on it. Acceptance is measured on
+the last `profile.prompts` records of `profile.data` (never the benchmark, never the distill
+stage's training prompts). Each measurement is cached in `<out>/profile/work/` as it finishes, so
+an interrupted stage resumes with the ones left.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from polybasic.artifacts import announce, fault_point, write_json
+from polybasic.errors import ConfigError
+from polybasic.pipelines.sections import OWN_LEVELS, ProfileSection
+
+
+def own_level(name: str, out: Path) -> str:
+    """The spelling of a recipe output's level name; other spellings as they are."""
+    return {"quantized": str(out / "model.safetensors"),
+            "eagle:target": f"eagle:{out / 'distill' / 'target' / 'head.safetensors'}",
+            "eagle:quantized": f"eagle:{out / 'distill' / 'quantized' / 'head.safetensors'}"}.get(name, name)
+
+
+def chain_spelling(names: list[str], out: Path) -> str:
+    """The `--chain` spelling of a profiled chain (target first, recipe names) for the run in `out`."""
+    return "+".join(own_level(n, Path(out)) for n in names[1:])
+
+
+def _writer(name: str) -> str | None:
+    """The stage that writes a recipe output level, if it is one."""
+    return {"quantized": "quantize", "eagle:target": "distill", "eagle:quantized": "distill"}.get(name)
+
+
+def _base_of(name: str) -> str:
+    """The profile name of the level an EAGLE candidate drafts on."""
+    return "quantized" if name == "eagle:quantized" else "target"
+
+
+def candidates(recipe, out: Path) -> list[str]:
+    """The recipe's candidate level names that apply to it: own outputs only when its stages make
+    them (an eagle head only when its base is a candidate too)."""
+    drafters = set(recipe.distill.drafters)
+    names = []
+    for name in recipe.profile.levels:
+        if name == "eagle:target" and "target" not in drafters:
+            continue
+        if name == "eagle:quantized" and ("quantized" not in drafters or "quantized" not in recipe.profile.levels):
+            continue
+        names.append(name)
+    return names
+
+
+def held_out_prompts(recipe) -> list[str]:
+    """The last `profile.prompts` prompts of profile.data; an error if the distill stage trains on them."""
+    from polybasic.drafters.data import load_pairs
+
+    sec: ProfileSection = recipe.profile
+    pairs = load_pairs(sec.data)
+    if len(pairs) <= sec.prompts:
+        raise ConfigError(f"profile.prompts: {sec.prompts} >= the {len(pairs)} records of {sec.data.path}; "
+                          "lower it or use more data")
+    start = len(pairs) - sec.prompts
+    d = recipe.distill
+    if "distill" in recipe.stages and d.data.path == sec.data.path and d.data.split == sec.data.split \
+            and d.limit > start:
+        raise ConfigError(f"profile.prompts: the last {sec.prompts} records of {sec.data.path} are among the "
+                          f"distill stage's first {d.limit} training records; lower distill.limit to {start} "
+                          "or profile on other data")
+    return [q for q, _ in pairs[start:]]
+
+
+def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
+    """Candidate spellings parse, their files exist unless an earlier stage of this run writes
+    them, and the held-out prompts do not overlap the training prompts."""
+    from polybasic.runtime.chainspec import KINDS, named, parse_level_spec
+
+    for name in candidates(recipe, Path(out)):
+        with named(f"profile.levels: '{name}'"):
+            spec = parse_level_spec(own_level(name, Path(out)))
+            if _writer(name) not in upstream:
+                KINDS[spec.kind].check_files(spec)
+    held_out_prompts(recipe)
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cached(work: Path, key: str, what: str, measure, to_dict, from_dict):
+    """A measurement from its cache file, or measured now and cached (atomically)."""
+    path = work / f"{key}.json"
+    if path.is_file():
+        announce(f"reused: {what} ({path})")
+        return from_dict(json.loads(path.read_text()))
+    value = measure()
+    write_json(path, to_dict(value))
+    fault_point("profile.measure")
+    return value
+
+
+def run_stage(ctx) -> list[Path]:
+    from dataclasses import asdict
+
+    from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance
+    from polybasic.planner.profile import CostCurve, PairProfile, Profile
+    from polybasic.runtime.chainspec import KINDS, parse_level_spec
+    from polybasic.runtime.levels import ModelLevel
+    from polybasic.runtime.sampling import SamplingConfig
+    from polybasic.runtime.text import encode_prompt, eos_ids
+    from polybasic._lazy import load_entry
+
+    recipe, out, lm = ctx.recipe, ctx.out, ctx.target
+    sec: ProfileSection = recipe.profile
+    sampling = SamplingConfig(temperature=sec.temperature, top_p=sec.top_p)
+    prompts = [encode_prompt(lm.tokenizer, p) for p in held_out_prompts(recipe)]
+    names = candidates(recipe, out)
+    levels = {"target": ModelLevel(lm.model, name="target", tokenizer=lm.tokenizer)}
+    for name in names:  # bases first: an eagle head drafts on a level built before it
+        spec = parse_level_spec(own_level(name, out))
+        above = levels[_base_of(name)] if spec.kind == "eagle" else levels["target"]
+        levels[name] = load_entry(KINDS[spec.kind].builder)(spec, lm, above, "cpu")
+        if levels[name].vocab_size is None:
+            levels[name].vocab_size = levels["target"].vocab_size
+    for n, lv in levels.items():  # profiled under the recipe's names: portable, unlike their file paths
+        lv.name = n
+    spell = {n: own_level(n, out) for n in levels}
+    k_max = max([sec.k, *recipe.plan.k_values])
+    tokens = sorted(set(range(1, k_max + 2)) | {2 * (k_max + 1), 3 * (k_max + 1)})
+    work = out / "profile" / "work"
+    settings = {"context": sec.context, "reps": sec.reps, "tokens": tokens}
+    profiled = {}
+    for n, lv in levels.items():
+        curve = _cached(work, "cost-" + _key(spell[n], settings), f"cost curve of {spell[n]}",
+                        lambda lv=lv: cost_curve(lv, tokens, sec.context, sec.reps), asdict,
+                        lambda d: CostCurve(**d))
+        profiled[n] = level_profile(lv, curve)
+    pairs = []
+    eos = eos_ids(lm.tokenizer)
+    for v, d in _pairs(profiled):
+        acc = {"k": sec.k, "prompts": prompts, "sampling": asdict(sampling), "max_new_tokens": sec.max_new_tokens}
+        pairs.append(_cached(work, "pair-" + _key(spell[v], spell[d], acc), f"acceptance {spell[v]} <- {spell[d]}",
+                             lambda v=v, d=d: pair_acceptance(levels[v], levels[d], prompts, sec.k, sampling,
+                                                              sec.max_new_tokens, eos),
+                             asdict, lambda x: PairProfile(**x)))
+    profile = Profile("target", list(profiled.values()), pairs, "cpu",
+                      {"temperature": sec.temperature, "top_k": 0, "top_p": sec.top_p})
+    profile.save(out / "profile.json")
+    for p in pairs:
+        announce(f"  {p.verifier} <- {p.drafter}: mean accepted length {p.mean_accepted_length:.2f} at k={p.k}, "
+                 f"rate {p.rate:.3f}")
+    return [out / "profile.json"]
+
+
+def _pairs(profiled: dict) -> list[tuple[str, str]]:
+    """(verifier, drafter) names to measure: a model verifies every other model level but the
+    target, the n-gram proposer, and the head trained on it (the planner judges what pays)."""
+    return [(v, d) for v, vp in profiled.items() if vp.kind == "model"
+            for d, dp in profiled.items() if d not in (v, "target") and (dp.kind != "eagle" or _base_of(d) == v)]

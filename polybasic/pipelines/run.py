@@ -1,0 +1,121 @@
+"""Run a recipe's stages in order: the target loaded once, finished stages skipped, interrupted ones
+resumed.
+
+Every stage's inputs are fingerprinted (the model section, its own sections, and its upstream stages'
+fingerprints). After a stage finishes, `<out>/.stages/<name>.json` records its fingerprint and the
+files it wrote; a later run skips it while both still match, so editing a section re-runs that stage
+and everything downstream of it. A stage that runs again resumes from what it had finished (each
+stage keeps its own partial work: calibrated blocks, sample shards, checkpoints, measurements).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from polybasic._lazy import load_entry
+from polybasic.artifacts import announce, clean_and_announce, write_json
+from polybasic.errors import ConfigError
+from polybasic.pipelines.stages import NAMES, STAGES, Stage
+
+RECORDS = ".stages"
+
+
+@dataclass
+class StageContext:
+    """What a stage runs with: the recipe, its output folder, the stages of this run, and the
+    target, loaded on first use and shared by every stage."""
+
+    recipe: object  # pipelines.recipe.Recipe
+    out: Path
+    stages: tuple[str, ...]
+    recipe_path: str = ""
+    _target: object = field(default=None, repr=False)
+
+    @property
+    def target(self):
+        """The recipe's model (models.loader.LoadedModel) in its dtype, loaded once."""
+        if self._target is None:
+            from polybasic.models import load_model
+
+            m = self.recipe.model
+            self._target = load_model(m.source, m.dtype)
+        return self._target
+
+
+def fingerprint(st: Stage, recipe, upstream: dict[str, str]) -> str:
+    """sha256 of a stage's inputs: the model, its sections, its upstream stages' fingerprints."""
+    from polybasic.pipelines.serde import to_dict
+
+    inputs = {"stage": st.name, "model": to_dict(recipe.model),
+              "sections": {s: to_dict(getattr(recipe, s)) for s in st.sections},
+              "upstream": {u: upstream.get(u) for u in st.needs}}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _record(out: Path, name: str) -> dict | None:
+    path = out / RECORDS / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _done(out: Path, rec: dict | None, fp: str) -> bool:
+    return bool(rec) and rec.get("fingerprint") == fp and all((out / p).exists() for p in rec.get("outputs", []))
+
+
+def require(out: Path, rel: str, writer: str, upstream: set[str], stage: str) -> None:
+    """A stage's input file `<out>/<rel>` exists, unless stage `writer` makes it earlier in this run."""
+    path = Path(out) / rel
+    if writer not in upstream and not path.exists():
+        raise ConfigError(f"{stage}: {path} does not exist; run `polybasic {writer}` on this recipe first "
+                          "(or `polybasic run`)")
+
+
+def check_inputs(recipe, out: Path, names: tuple[str, ...]) -> None:
+    """Every stage's cheap checks (its data, the files it reads that no earlier stage of this run
+    writes), before any model loads."""
+    for i, name in enumerate(names):
+        module = next(s for s in STAGES if s.name == name).entry.partition(":")[0]
+        load_entry(f"{module}:check_inputs")(recipe, out, set(names[:i]))
+
+
+def run_recipe(recipe_path: str | Path, out_dir: str | Path | None = None,
+               only: tuple[str, ...] | None = None) -> StageContext:
+    """Run the recipe's stages (or only `only`), in the table's order."""
+    from polybasic.pipelines.recipe import load_recipe
+    from polybasic.pipelines.serde import dump_recipe
+
+    recipe = load_recipe(recipe_path)
+    names = tuple(n for n in NAMES if n in (only or recipe.stages))
+    if only and not names:
+        raise ConfigError(f"stages: none of {list(only)} is a stage; use {', '.join(NAMES)}")
+    out = Path(out_dir or recipe.out_dir)
+    check_inputs(recipe, out, names)
+    out.mkdir(parents=True, exist_ok=True)
+    clean_and_announce(out)
+    dump_recipe(recipe, out / "recipe.yaml")
+    ctx = StageContext(recipe, out, names, str(recipe_path))
+    fps: dict[str, str] = {}
+    for st in STAGES:
+        if st.name not in names:
+            rec = _record(out, st.name)  # a stage run before, on its own: its outputs feed this run
+            if rec:
+                fps[st.name] = rec["fingerprint"]
+            continue
+        fp = fingerprint(st, recipe, fps)
+        fps[st.name] = fp
+        if _done(out, _record(out, st.name), fp):
+            announce(f"[{st.name}] skipped: its outputs match its inputs (fingerprint {fp[:12]})")
+            continue
+        announce(f"[{st.name}] {st.help}")
+        t0 = time.perf_counter()
+        outputs = load_entry(st.entry)(ctx)
+        rel = [str(Path(p).resolve().relative_to(out.resolve())) for p in outputs]
+        write_json(out / RECORDS / f"{st.name}.json", {"fingerprint": fp, "outputs": rel,
+                                                       "wall_s": round(time.perf_counter() - t0, 1)}, indent=1)
+        announce(f"[{st.name}] done in {time.perf_counter() - t0:.1f} s: {', '.join(rel)}")
+    return ctx

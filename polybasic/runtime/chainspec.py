@@ -1,0 +1,261 @@
+"""Typed chain specs: the levels below the target as data, parsed and checked without loading.
+
+A `ChainSpec` is a tuple of `LevelSpec`s (the target itself is implicit, on top); `to_dict` /
+`from_dict` give its JSON form (what a bundle manifest stores), `parse_chain_spec` reads the
+`--chain` spelling, `check_chain_files` checks every file and name a spec refers to by its header.
+None of them imports torch or loads a model; `runtime.spec.build_chain` turns a spec into levels.
+
+The spelling is '+'-separated levels, top to bottom, optionally after 'target+'; each level kind
+(KINDS: eagle:PATH, ngram[:N], PATH.safetensors, target@DTYPE, SOURCE[@DTYPE], tried in this order)
+parses its own form, and CHAIN_FORMS lists them for help texts. Example: 'target@bfloat16+ngram'.
+"""
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from polybasic.errors import ConfigError, PolybasicError
+from polybasic.models.preflight import (FIX_HEAD, HEAD_CONFIG_KEY, check_dtype, check_source,
+                                        safetensors_metadata)
+
+CHAIN_SPEC_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    """One level below the target. kind: a key of KINDS; the other fields are the kind's (see
+    LevelKind.fields); name: its spelling, also the level's name in statistics."""
+
+    kind: str
+    source: str = ""  # model: any model source load_model accepts
+    dtype: str = "float32"  # model, target: the dtype the weights run in
+    path: str = ""  # quantized: the copy's .safetensors; eagle: the head's .safetensors
+    max_ngram: int = 3  # ngram: longest n-gram looked up in the context
+    name: str = ""  # default: the canonical spelling
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"kind: unknown level kind '{self.kind}'; use one of {', '.join(KINDS)}")
+        KINDS[self.kind].validate(self)
+        if not self.name:
+            object.__setattr__(self, "name", KINDS[self.kind].spell(self))
+
+    def to_dict(self) -> dict:
+        """{'kind', the kind's own fields, 'name'}: JSON-able."""
+        d = asdict(self)
+        return {"kind": self.kind, **{f: d[f] for f in KINDS[self.kind].fields}, "name": self.name}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LevelSpec":
+        if not isinstance(d, dict):
+            raise ConfigError(f"a level must be an object like {{'kind': 'ngram', 'max_ngram': 3}}, got {d!r}")
+        kind = d.get("kind")
+        if kind not in KINDS:
+            raise ConfigError(f"kind: unknown level kind {kind!r}; use one of {', '.join(KINDS)}")
+        unknown = set(d) - {"kind", "name", *KINDS[kind].fields}
+        if unknown:
+            raise ConfigError(f"'{kind}' level: unknown fields {sorted(unknown)}; a '{kind}' level has "
+                              f"{', '.join(KINDS[kind].fields) or 'no fields'}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """The levels below the target, top to bottom. An eagle head must sit right below a model level
+    (or the target), whose features it drafts on."""
+
+    levels: tuple[LevelSpec, ...]
+    version: int = CHAIN_SPEC_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "levels", tuple(self.levels))
+        if self.version != CHAIN_SPEC_VERSION:
+            raise ConfigError(f"version: chain spec version {self.version}, this polybasic reads "
+                              f"version {CHAIN_SPEC_VERSION}; upgrade polybasic")
+        if not self.levels:
+            raise ConfigError("names no level below the target; e.g. 'target@bf16+ngram'")
+        above = "target"
+        for lv in self.levels:
+            if KINDS[lv.kind].drafts_on_features and above not in MODEL_KINDS:
+                raise ConfigError(f"'{lv.name}' drafts on the features of the level above it, which is "
+                                  f"not a model; put the head right below a model level, e.g. "
+                                  f"'target@bf16+{lv.name}'")
+            above = lv.kind
+
+    @property
+    def spelling(self) -> str:
+        return "+".join(lv.name for lv in self.levels)
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "levels": [lv.to_dict() for lv in self.levels]}
+
+    @classmethod
+    def from_dict(cls, d: dict, field: str = "chain") -> "ChainSpec":
+        with named(field):
+            if not isinstance(d, dict) or not isinstance(d.get("levels"), list) or set(d) - {"version", "levels"}:
+                raise ConfigError("expected {'version': int, 'levels': [{'kind': ..., ...}, ...]}")
+            return cls(tuple(LevelSpec.from_dict(lv) for lv in d["levels"]), d.get("version", CHAIN_SPEC_VERSION))
+
+
+@dataclass(frozen=True)
+class LevelKind:
+    """How one kind of level is spelled, checked and built."""
+
+    name: str
+    form: str  # the spelling, for help texts
+    example: str
+    summary: str
+    fields: tuple[str, ...]  # the LevelSpec fields this kind uses
+    parse: Callable[[str], LevelSpec | None]  # an item's spec, or None when the item is another kind
+    spell: Callable[[LevelSpec], str]  # the canonical spelling of a spec
+    validate: Callable[[LevelSpec], None] = lambda spec: None  # field values (pure)
+    check_files: Callable[[LevelSpec], None] = lambda spec: None  # the files it names (cheap reads)
+    builder: str = ""  # "module:function", build(spec, target, above, device) -> Level (runtime.spec)
+    drafts_on_features: bool = False  # reads the features of the level above it
+
+
+def _with_dtype(text: str) -> tuple[str, str]:
+    """'SOURCE@DTYPE' -> (SOURCE, DTYPE); no '@' (or a '/' after it, a path) -> (text, 'float32')."""
+    source, at, dtype = text.rpartition("@")
+    if not at or "/" in dtype:
+        return text, "float32"
+    return source, check_dtype(dtype, "dtype")
+
+
+def _parse_ngram(item: str) -> LevelSpec | None:
+    if item != "ngram" and not item.startswith("ngram:"):
+        return None
+    n = item.partition(":")[2] or "3"
+    if not n.isdigit():
+        raise ConfigError(f"'{item}' needs an integer n-gram size, e.g. ngram:3")
+    return LevelSpec("ngram", max_ngram=int(n), name=item)
+
+
+def _validate_ngram(spec: LevelSpec) -> None:
+    if not (isinstance(spec.max_ngram, int) and spec.max_ngram >= 1):
+        raise ConfigError(f"'ngram': max_ngram must be an integer >= 1, got {spec.max_ngram!r}; e.g. ngram:3")
+
+
+def _parse_eagle(item: str) -> LevelSpec | None:
+    return LevelSpec("eagle", path=item[len("eagle:"):], name=item) if item.startswith("eagle:") else None
+
+
+def _needs_path(spec: LevelSpec) -> None:
+    if not spec.path:
+        raise ConfigError(f"'{spec.kind}' level needs a file path, e.g. {KINDS[spec.kind].example}")
+
+
+def _check_head(spec: LevelSpec) -> None:
+    p = Path(spec.path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"drafter head {p} does not exist; pass the head.safetensors written by "
+                          "`polybasic distill`")
+    if HEAD_CONFIG_KEY not in safetensors_metadata(p, FIX_HEAD):
+        raise ConfigError(f"{p} has no {HEAD_CONFIG_KEY} metadata; it is not a polybasic drafter head "
+                          "(written by `polybasic distill`)")
+
+
+def _parse_quantized(item: str) -> LevelSpec | None:
+    return LevelSpec("quantized", path=item, name=item) if item.endswith(".safetensors") else None
+
+
+def _parse_target(item: str) -> LevelSpec | None:
+    if item != "target" and not item.startswith("target@"):
+        return None
+    source, dtype = _with_dtype(item)
+    if source != "target":
+        raise ConfigError(f"'{item}': spell the target's copy as target@DTYPE, e.g. target@bf16")
+    return LevelSpec("target", dtype=dtype, name=item)
+
+
+def _parse_model(item: str) -> LevelSpec:
+    source, dtype = _with_dtype(item)
+    if source.endswith(".safetensors"):
+        raise ConfigError(f"'{item}': a quantized copy runs in the dtype it was saved with; drop '@{dtype}'")
+    return LevelSpec("model", source=source, dtype=dtype, name=item)
+
+
+def _validate_dtype(spec: LevelSpec) -> None:
+    check_dtype(spec.dtype, f"'{spec.kind}' level dtype")
+
+
+def _validate_model(spec: LevelSpec) -> None:
+    _validate_dtype(spec)
+    if not spec.source:
+        raise ConfigError("'model' level needs a source, e.g. smollm2-135m@bf16")
+
+
+KINDS: dict[str, LevelKind] = {k.name: k for k in [
+    LevelKind("eagle", "eagle:PATH", "eagle:runs/smollm2-cpu/distill/target/head.safetensors",
+              "an EAGLE drafter head (`polybasic distill`), drafting on the features of the model "
+              "level right above it", ("path",), _parse_eagle, lambda s: f"eagle:{s.path}",
+              _needs_path, _check_head, "polybasic.runtime.spec:build_eagle", drafts_on_features=True),
+    LevelKind("ngram", "ngram[:N]", "ngram:3", "prompt lookup: proposes what followed the longest "
+              "matching n-gram (N at most, default 3) of the context", ("max_ngram",), _parse_ngram,
+              lambda s: f"ngram:{s.max_ngram}", _validate_ngram, builder="polybasic.runtime.spec:build_ngram"),
+    LevelKind("quantized", "PATH.safetensors", "runs/smollm2-cpu/model.safetensors",
+              "a quantized copy of the target written by `polybasic quantize`", ("path",), _parse_quantized,
+              lambda s: s.path, _needs_path, lambda s: check_source(s.path, "quantized copy"),
+              "polybasic.runtime.spec:build_quantized"),
+    LevelKind("target", "target@DTYPE", "target@bfloat16", "the target's own weights in another dtype",
+              ("dtype",), _parse_target, lambda s: f"target@{s.dtype}", _validate_dtype,
+              builder="polybasic.runtime.spec:build_target"),
+    LevelKind("model", "SOURCE[@DTYPE]", "smollm2-135m@bf16", "any model source --model accepts (short "
+              "name, .gguf file, Hugging Face folder, Hub id), in DTYPE (default float32)",
+              ("source", "dtype"), _parse_model, lambda s: f"{s.source}@{s.dtype}", _validate_model,
+              lambda s: check_source(s.source, "model source"), "polybasic.runtime.spec:build_model"),
+]}
+MODEL_KINDS = ("target", "model", "quantized")  # levels with features an eagle head can read
+
+CHAIN_FORMS = "\n".join(textwrap.fill(f"{k.form:<17} {k.summary}; e.g. {k.example}", 96, initial_indent="  ",
+                                      subsequent_indent=" " * 20) for k in KINDS.values())
+CHAIN_HELP = ("A chain is the levels below the target, top to bottom, '+'-separated (optionally\n"
+              "after 'target+'); each level is one of:\n" + CHAIN_FORMS +
+              "\nExample: target@bfloat16+ngram (the target <- its bf16 copy <- prompt lookup)")
+
+
+@contextmanager
+def named(field: str) -> Iterator[None]:
+    """Prefix the message of a polybasic error raised inside with `field: `."""
+    try:
+        yield
+    except PolybasicError as e:
+        raise type(e)(f"{field}: {e}") from None
+
+
+def parse_level_spec(item: str) -> LevelSpec:
+    """One level from its spelling (pure: no file is read)."""
+    item = item.strip()
+    if not item:
+        raise ConfigError("empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
+    for kind in KINDS.values():
+        spec = kind.parse(item)
+        if spec is not None:
+            return spec
+    raise AssertionError("the 'model' kind parses every item")
+
+
+def parse_chain_spec(text: str, flag: str = "chain") -> ChainSpec:
+    """'[target+]LEVEL+LEVEL...' -> ChainSpec (pure: no file read, no torch). Errors name `flag`
+    and the offending item."""
+    items = text.split("+")
+    if items[0].strip() == "target":
+        items = items[1:]
+    levels = []
+    for item in items:
+        with named(f"{flag}: level '{item.strip()}'" if item.strip() else f"{flag} '{text}'"):
+            levels.append(parse_level_spec(item))
+    with named(f"{flag} '{text}'"):
+        return ChainSpec(tuple(levels))
+
+
+def check_chain_files(spec: ChainSpec, flag: str = "chain") -> ChainSpec:
+    """Check every file and model name the spec refers to, by headers only (no torch); returns spec."""
+    for lv in spec.levels:
+        with named(f"{flag}: level '{lv.name}'"):
+            KINDS[lv.kind].check_files(lv)
+    return spec
+

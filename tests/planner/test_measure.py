@@ -1,0 +1,98 @@
+"""Profiling on tiny models: what is timed has the right shape, acceptance statistics are consistent
+(identical drafter: everything accepted; scripted disagreement: nothing). No timing is asserted."""
+import pytest
+import torch
+
+from polybasic.drafters.head import DrafterConfig, EagleHead
+from polybasic.drafters.level import EagleLevel
+from polybasic.errors import ConfigError
+from polybasic.planner.cost import ChainConfig, predict
+from polybasic.planner.measure import build_profile, cost_curve, level_profile, medians_ms, pair_acceptance
+from polybasic.planner.profile import Profile
+from polybasic.runtime.levels import ModelLevel, NGramLevel
+from polybasic.runtime.sampling import SamplingConfig
+from tests.helpers import ScriptedLM, lean_from_hf, one_hot_logits, perturbed_copy, tiny_hf_llama
+
+V = 16
+
+
+class RecordingLM(ScriptedLM):
+    """Scripted stub that records how many tokens each forward is fed."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.widths = []
+
+    def __call__(self, tokens, start, last_only=False):
+        self.widths.append((tokens.shape[1], start))
+        return super().__call__(tokens, start, last_only)
+
+
+def test_cost_curve_feeds_m_tokens_at_the_context():
+    lm = RecordingLM(V, lambda ctx: one_hot_logits(V, 3))
+    c = cost_curve(ModelLevel(lm, "m"), tokens=[1, 3, 5], context=12, reps=2, warmup=1)
+    assert c.tokens == [1, 3, 5] and len(c.time_ms) == 3 and c.context == 12 == c.prefill_tokens
+    assert c.decode_ms is not None and c.prefill_ms > 0 and all(t > 0 for t in c.time_ms)
+    # round-robin, 3 times: a prefill of 12 tokens from 0, a decode step, forwards of M = 1, 3, 5 at 12
+    assert lm.widths == [(12, 0), (1, 12), (1, 12), (3, 12), (5, 12)] * 3
+
+
+def test_cost_curve_of_each_kind():
+    hf = tiny_hf_llama(seed=3, vocab=64)
+    target = ModelLevel(lean_from_hf(hf), "target")
+    torch.manual_seed(0)
+    head = EagleHead(DrafterConfig.for_base(target.model.args)).bind(target.model).eval().requires_grad_(False)
+    eagle = EagleLevel(head, target, name="eagle:h")
+    for lv, decode in ((target, True), (eagle, False), (NGramLevel(name="ngram", vocab_size=64), False)):
+        c = cost_curve(lv, tokens=range(1, 4), context=24, reps=2, warmup=1)
+        assert c.tokens == [1, 2, 3] and len(c.time_ms) == 3 and (c.decode_ms is not None) == decode
+    assert level_profile(eagle, c).base == "target" and level_profile(eagle, c).kind == "eagle"
+    assert cost_curve(target.model, tokens=[2], context=8, reps=1, warmup=0).tokens == [2]  # a bare model
+    with pytest.raises(ConfigError, match="context"):
+        cost_curve(target, tokens=[1, 2], context=400)
+
+
+def test_identical_drafter_accepts_everything():
+    hf = tiny_hf_llama(seed=3, vocab=64, init_std=0.2)
+    verifier, drafter = ModelLevel(lean_from_hf(hf), "v"), ModelLevel(lean_from_hf(hf), "d")
+    k = 4
+    pair = pair_acceptance(verifier, drafter, [[5, 6, 7], [9, 2]], k, max_new_tokens=3 * (k + 1))
+    assert pair.mean_accepted_length == k + 1 and pair.rate == 1.0 and pair.draft_fill == 1.0
+    assert pair.histogram == {k + 1: 6} and pair.verifications == 6 and pair.overhead_ms >= 0
+
+
+def test_scripted_never_accept():
+    verifier = ModelLevel(ScriptedLM(V, lambda ctx: one_hot_logits(V, 3)), "v")
+    drafter = ModelLevel(ScriptedLM(V, lambda ctx: one_hot_logits(V, 4)), "d")
+    pair = pair_acceptance(verifier, drafter, [[2]], 3, max_new_tokens=10)
+    assert pair.mean_accepted_length == 1.0 and pair.rate == 0.0 and pair.histogram == {1: 10}
+
+
+def test_sampled_acceptance_and_profile_round_trip(tmp_path):
+    hf = tiny_hf_llama(seed=3, vocab=64, init_std=0.2)
+    target = ModelLevel(lean_from_hf(hf), "target")
+    near = ModelLevel(lean_from_hf(perturbed_copy(hf, 0.3)), "near")
+    ngram = NGramLevel(name="ngram")
+    prompts = [[5, 6, 7, 5, 6], [9, 2, 9, 2]]
+    prof = build_profile([target, near, ngram], [(target, near), (near, ngram), (target, ngram)],
+                         prompts, k=3, sampling=SamplingConfig(temperature=1.0), context=16, reps=2,
+                         max_new_tokens=24)
+    for p in prof.pairs:
+        assert sum(p.histogram.values()) == p.verifications
+        assert p.mean_accepted_length == pytest.approx(
+            sum(length * n for length, n in p.histogram.items()) / p.verifications, rel=1e-12)
+        assert 0 <= p.rate <= 1 and 1 <= p.mean_accepted_length <= 4
+    assert prof.level("target").cost.tokens == [1, 2, 3, 4, 8, 12]
+    assert prof.pair("target", "near").draft_fill == 1.0  # a model always drafts k tokens
+    assert 0 <= prof.pair("near", "ngram").draft_fill <= 1
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+    assert predict(prof, ChainConfig(("target", "near", "ngram"), 3, (4,))).ms_per_token > 0
+
+
+def test_medians_ms_round_robin():
+    order = []
+    out = medians_ms([lambda: order.append("a"), lambda: order.append("b")], reps=2, warmup=1)
+    assert order == ["a", "b"] * 3 and len(out) == 2 and all(t >= 0 for t in out)
+    with pytest.raises(ConfigError, match="reps"):
+        medians_ms([lambda: None], reps=0)
