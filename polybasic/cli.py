@@ -47,6 +47,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--bundle", default=None, metavar="PATH|HUB_ID",
                    help="decode with a chain bundle (`polybasic export` / `polybasic run`): its target, chain, "
                         "k, thresholds and sampling defaults; a folder or a Hub id (through the HF cache)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="with --bundle: re-measure its levels' costs on this machine and re-plan k, thresholds "
+                        "and levels (its pair acceptances are kept); by default the bundle's plan runs as is")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0, or the bundle's)")
     p.add_argument("--top-k", type=int, default=None,
                    help="sample among the k likeliest tokens, 0 = off (default: 0, or the bundle's)")
@@ -54,6 +57,7 @@ def _add_generate(sub) -> None:
                    help="nucleus sampling mass, 1.0 = off (default: 1.0, or the bundle's)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
     p.add_argument("--dtype", default="float32", help="dtype of the target's weights")
+    add_device_flag(p)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--chain", default=None, metavar="SPEC",
                    help="decode through a chain: the levels below the target, '+'-separated (forms above)")
@@ -65,6 +69,11 @@ def _add_generate(sub) -> None:
                    help="torch.compile the one-token step (costs tens of seconds once, then cached)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=_cmd_generate)
+
+
+def add_device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu",
+                   help="where every level runs and samples: cpu, cuda or cuda:N (checked before anything loads)")
 
 
 def _add_push(sub) -> None:
@@ -113,6 +122,8 @@ def _precheck_generate(a: argparse.Namespace):
     from polybasic.runtime.chainspec import check_chain_files, parse_chain_spec
 
     prompt = read_prompt(a)
+    if a.reprofile and not a.bundle:
+        raise ConfigError("--reprofile: re-plans a bundle's chain; pass --bundle")
     if a.bundle:
         if a.chain or a.model != MODEL_DEFAULT:
             raise ConfigError("--bundle: the bundle names its target and chain; drop --model and --chain")
@@ -129,32 +140,41 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     prompt, spec, thresholds = _precheck_generate(a)
 
     from polybasic.models import load_model
+    from polybasic.models.prepare import check_compilable, compile_for_device
     from polybasic.runtime.chain import Chain, check_k
+    from polybasic.runtime.context import ExecutionContext
     from polybasic.runtime.generate import GenerationStats, check_request, generate_tokens
-    from polybasic.runtime.sampling import SamplingConfig, make_generator
+    from polybasic.runtime.sampling import SamplingConfig
     from polybasic.runtime.spec import build_chain
     from polybasic.runtime.text import encode_prompt, eos_ids, stream_text
 
     check_request([0], a.max_new_tokens, 2)
     check_k(a.k)
+    ctx = ExecutionContext(a.device, a.dtype, a.seed)
+    if a.compile:
+        check_compilable(ctx.device)
     if a.bundle:
         from polybasic.runtime.bundle import load
 
-        dec = load(a.bundle)
+        dec = load(a.bundle, ctx.device, reprofile=a.reprofile)
+        if a.reprofile:
+            print(f"[re-planned here: {dec.manifest.plan['chain']}, k={dec.manifest.decoding.k}, predicted "
+                  f"{dec.predicted_speedup:.2f}x]", file=sys.stderr)
         lm, chain, sampling = dec.target, dec.chain, dec.sampling(temperature=a.temperature, top_k=a.top_k,
                                                                   top_p=a.top_p)
     else:
         sampling = SamplingConfig(_or(a.temperature, 0.0), _or(a.top_k, 0), _or(a.top_p, 1.0))
-        lm = load_model(a.model, a.dtype)
-        chain = None if spec is None else Chain(build_chain(spec, lm, flag="--chain"), k=a.k, thresholds=thresholds,
+        lm = load_model(a.model, ctx.dtype, ctx.device)
+        chain = None if spec is None else Chain(build_chain(spec, lm, ctx.device, "--chain"), k=a.k,
+                                                thresholds=thresholds,
                                                 eos=eos_ids(lm.tokenizer), adaptive_k=a.adaptive_k)
     ids = encode_prompt(lm.tokenizer, prompt, chat=not a.no_chat)
     check_request(ids, a.max_new_tokens, lm.args.max_seq_len)  # an over-long prompt: a clear error
     if a.compile:
-        coded = lm.model.compile_decode(lm.gguf_file)
+        coded = compile_for_device(lm.model, lm.gguf_file)
         print(f"[compiling the one-token step ({coded} linears read GGUF block codes); the first token "
               "waits ~90 s on a 2-core CPU the first time, ~20 s once inductor has cached it]", file=sys.stderr)
-    generator = make_generator(a.seed)
+    generator = ctx.generator()
     if chain is not None:
         token_iter = chain.stream(ids, a.max_new_tokens, sampling, generator)
         get_stats = lambda: chain.stats  # noqa: E731

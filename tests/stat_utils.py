@@ -32,7 +32,7 @@ def chain_sample_counts(chain, prompt: list[int], sampling, seed: int, n: int, v
     """Counts of the first token [V] and of the 3-token sequence [V, V, V] over n seeded generations."""
     from polybasic.runtime.sampling import make_generator
 
-    g = make_generator(seed)
+    g = make_generator(seed, chain.levels[0].model.device)  # where the target's probabilities live
     first, seqs = torch.zeros(vocab), torch.zeros(vocab, vocab, vocab)
     for _ in range(n):
         out, _ = chain.generate(prompt, 3, sampling, g)

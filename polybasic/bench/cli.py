@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                    help="a chain bundle: its target is the model, and method `chain` (no spec) runs its chain "
                         "with its k and thresholds, printing the planned (predicted) speedup beside the "
                         "measured one (default methods then: vanilla,chain)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="with --bundle: re-measure its levels' costs here and re-plan before benchmarking "
+                        "(the predicted speedup is then this machine's)")
     p.add_argument("--model", default=None,
                    help="the target: short name, .gguf file, Hugging Face folder, Hub id or a quantized "
                         f".safetensors copy (default: {MODEL_DEFAULT}, or the --bundle's target)")
@@ -43,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     p.add_argument("--dtype", default="float32", help="dtype of the target's weights")
+    p.add_argument("--device", default="cpu",
+                   help="where every method runs: cpu, cuda or cuda:N (the report then names the GPU)")
     p.add_argument("--draft-tokens", type=int, default=8, help="k of the n-gram / prompt-lookup drafts")
     p.add_argument("--adaptive-k", action="store_true",
                    help="our chains adapt the bottom level's draft length (1..k) to its acceptance")
@@ -86,9 +91,12 @@ def _validate(a: argparse.Namespace):
 
     from polybasic.bench.methods import parse_methods
     from polybasic.bench.questions import load_questions, select
+    from polybasic.models.prepare import check_compilable
     from polybasic.models.preflight import check_source
+    from polybasic.runtime.context import check_device
     from polybasic.runtime.sampling import SamplingConfig
 
+    device = check_device(a.device, "--device")
     methods = parse_methods(a.methods)
     if "chain" in methods and bundle is None:
         raise ConfigError("methods: 'chain' without a spec runs a bundle's chain; pass --bundle, or spell the "
@@ -100,6 +108,8 @@ def _validate(a: argparse.Namespace):
             raise ConfigError(f"{field}: must be >= {low}, got {value}; pass --{field.replace('_', '-')} "
                               f"{low} or more")
     compiled = [m for m in methods if m.startswith("vanilla-compiled")]
+    if compiled:
+        check_compilable(device, f"--methods {compiled[0]}")
     if compiled and a.warmup < 1:
         raise ConfigError(f"warmup: {compiled[0]} compiles on its first prompt, which must not be timed; "
                           "pass --warmup 1 or more")
@@ -117,6 +127,8 @@ def _check_bundle(a: argparse.Namespace):
     """The --bundle's manifest, checked with every file it names (no model loads); sets --model and
     --dtype to its target's."""
     if a.bundle is None:
+        if a.reprofile:
+            raise ConfigError("--reprofile: re-plans a bundle's chain; pass --bundle")
         a.model = a.model or MODEL_DEFAULT
         return None
     if a.model is not None:
@@ -142,10 +154,10 @@ def run_bench_command(a: argparse.Namespace) -> int:
     if a.bundle:
         from polybasic.runtime.bundle import load
 
-        bundle = load(a.bundle, verify_target=False)  # checked by _validate
+        bundle = load(a.bundle, a.device, verify_target=False, reprofile=a.reprofile)  # checked by _validate
         lm = bundle.target
     else:
-        lm = load_model(a.model, a.dtype)
+        lm = load_model(a.model, a.dtype, a.device)
     run_bench(a, methods, sampling, questions, lm, bundle)
     return 0
 
@@ -163,11 +175,12 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
                        a.draft_tokens, source=a.model, adaptive_k=a.adaptive_k,
                        max_prompt_tokens=max(len(p) for *_, p in prompts), gguf=lm.gguf_file,
-                       hf_loader=lambda: load_hf_model(a.model, a.dtype), bundle=bundle)
+                       hf_loader=lambda: load_hf_model(a.model, a.dtype, lm.model.device), bundle=bundle)
     runners = {m: make_runner(m, ctx) for m in methods}
     records = run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress)
     predicted = {"chain": bundle.predicted_speedup} if bundle else {}
-    doc = build_document(records, sampling.greedy, machine_info(a.dtype, _command_line(a)), predicted, {
+    machine = machine_info(a.dtype, _command_line(a), lm.model.device)  # names the GPU on CUDA
+    doc = build_document(records, sampling.greedy, machine, predicted, {
         "model": a.model, "bundle": a.bundle, "questions": a.questions or "default Spec-Bench", "prompts": len(prompts),
         "categories": list(dict.fromkeys(q.category for q in questions)),
         "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,

@@ -7,7 +7,6 @@ after a colon (`chain:target+quant+head` calls the `chain` factory with arg "tar
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from polybasic.errors import ConfigError
+from polybasic.runtime.context import timed
 from polybasic.runtime.sampling import SamplingConfig, make_generator
 
 
@@ -92,10 +92,10 @@ def _generate_runner(ctx: BenchContext, model) -> Runner:
     from polybasic.runtime.generate import generate_tokens
 
     def run(prompt_ids: list[int], seed: int) -> Output:
-        gen = make_generator(seed)
-        t0 = time.perf_counter()
-        tokens = list(generate_tokens(model, prompt_ids, ctx.max_new_tokens, ctx.sampling, ctx.eos, gen))
-        return Output(tokens, time.perf_counter() - t0)
+        gen = make_generator(seed, model.device)
+        with timed(model.device) as t:
+            tokens = list(generate_tokens(model, prompt_ids, ctx.max_new_tokens, ctx.sampling, ctx.eos, gen))
+        return Output(tokens, t.seconds)
     return run
 
 
@@ -108,8 +108,10 @@ def _vanilla(ctx: BenchContext, arg: str | None) -> Runner:
 def _compiled_runner(ctx: BenchContext, gguf: Path | None) -> Runner:
     import copy
 
+    from polybasic.models.prepare import compile_for_device
+
     model = copy.deepcopy(ctx.model)
-    model.compile_decode(gguf)
+    compile_for_device(model, gguf, "--methods vanilla-compiled")
     if ctx.max_prompt_tokens:
         model.setup_caches(min(model.args.max_seq_len, ctx.max_prompt_tokens + ctx.max_new_tokens))
     return _generate_runner(ctx, model)
@@ -141,12 +143,11 @@ def _hf_runner(ctx: BenchContext, **extra) -> Runner:
 
     @torch.inference_mode()
     def run(prompt_ids: list[int], seed: int) -> Output:
-        torch.manual_seed(seed)  # transformers samples from the global generator
-        t0 = time.perf_counter()
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=hf.device)
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-        wall = time.perf_counter() - t0
-        return Output(_cut_at_eos(out[0, len(prompt_ids):].tolist(), ctx.eos), wall)
+        torch.manual_seed(seed)  # transformers samples from the global generators (every device's)
+        with timed(hf.device) as t:
+            ids = torch.tensor([prompt_ids], dtype=torch.long, device=hf.device)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        return Output(_cut_at_eos(out[0, len(prompt_ids):].tolist(), ctx.eos), t.seconds)
     return run
 
 
@@ -175,14 +176,13 @@ def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds
     from polybasic.runtime.chain import Chain
 
     def run(prompt_ids: list[int], seed: int) -> Output:
-        gen = make_generator(seed)
-        t0 = time.perf_counter()
-        chain = Chain(make_levels(), k=k or ctx.draft_tokens, thresholds=thresholds, eos=ctx.eos,
-                      adaptive_k=ctx.adaptive_k if adaptive_k is None else adaptive_k)
-        tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
-                                       generator=gen)
-        wall = time.perf_counter() - t0
-        return Output(list(tokens), wall, float(stats.tau) if stats.tau is not None else None,
+        gen = make_generator(seed, ctx.model.device)  # the chain samples on the target's device
+        with timed(ctx.model.device) as t:
+            chain = Chain(make_levels(), k=k or ctx.draft_tokens, thresholds=thresholds, eos=ctx.eos,
+                          adaptive_k=ctx.adaptive_k if adaptive_k is None else adaptive_k)
+            tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
+                                           generator=gen)
+        return Output(list(tokens), t.seconds, float(stats.tau) if stats.tau is not None else None,
                       list(stats.links[-1].accepted))
     return run
 

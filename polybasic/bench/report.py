@@ -21,12 +21,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(dtype: str, command: str) -> dict:
+def machine_info(dtype: str, command: str, device: str | torch.device = "cpu") -> dict:
+    """The machine record of a benchmark; on a CUDA device it names the GPU and the CUDA build."""
     import transformers
 
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "dtype": dtype, "command": command}
+            "threads": torch.get_num_threads(), "dtype": dtype, "device": str(device), "command": command}
+    if torch.device(device).type == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    return info
 
 
 def atomic_write(path: str | Path, text: str) -> None:
@@ -81,7 +85,8 @@ def markdown(doc: dict) -> str:
         "# polybasic bench (Spec-Bench)", "",
         f"Command: `{m['command']}`", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, "
-        f"transformers {m['transformers']}, dtype {m['dtype']}.", "",
+        f"transformers {m['transformers']}, dtype {m['dtype']}"
+        + (f", GPU {m['gpu']} (CUDA {m.get('cuda')})" if m.get("gpu") else "") + ".", "",
         f"Model {c.get('model')}, {c.get('prompts')} prompts, max {c.get('max_new_tokens')} new tokens, "
         f"temperature {c.get('temperature')}, seed {c.get('seed')}, warm-up {c.get('warmup')}.", "",
         "tokens/s = total new tokens / total wall time (prefill included); speedup against vanilla "

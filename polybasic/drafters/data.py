@@ -76,7 +76,7 @@ def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128
     bar = tqdm(total=len(ids), desc="self-distill", unit="prompt", disable=not progress)
     for j, idx in enumerate(_batches(len(ids), batch_size, [len(x) for x in ids])):
         def answer(idx=idx, j=j) -> list[dict]:
-            g = make_generator(seed_for(seed, 0, j))
+            g = make_generator(seed_for(seed, 0, j), model.device)
             return [{"tokens": a.tokens, "n_prompt": a.n_prompt}
                     for a in generate_batch(model, [ids[i] for i in idx], max_new_tokens, sampling, eos, g)]
 
@@ -131,7 +131,7 @@ def self_instruct(model, tokenizer, n: int, max_tokens: int = 96, seed: int = 0,
     bar = tqdm(total=n, desc="self-instruct", unit="prompt", disable=not progress)
 
     def turns(j: int) -> list[str]:  # the finished user turns of batch j
-        g = make_generator(seed_for(seed, 1, j))
+        g = make_generator(seed_for(seed, 1, j), model.device)
         rows = generate_batch(model, [prefix] * batch_size, max_tokens, SamplingConfig(1.0, 0, 0.95), eos, g)
         return [tokenizer.decode(r.tokens[r.n_prompt:-1], skip_special_tokens=True).strip() for r in rows
                 if len(r.tokens) > r.n_prompt and r.tokens[-1] in eos]  # else no end of turn within max_tokens

@@ -1,6 +1,6 @@
 """Tiny end-to-end training run (used by the tests, e.g. DDP on CPU with 2 processes).
 
-python -m polybasic.drafters.train_smoke OUT_DIR [--strategy ddp --devices 2] [--epochs N]
+python -m polybasic.drafters.train_smoke OUT_DIR [--strategy ddp --devices 2] [--epochs N] [--accelerator gpu]
 Writes OUT_DIR/rank{R}.json: {"losses": [...], "checksum": float, "global_step": int}.
 """
 from __future__ import annotations
@@ -46,12 +46,13 @@ def main(argv=None) -> None:
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--accelerator", default="cpu", help="cpu, or gpu (the gpu tests: ddp / deepspeed_stage_2)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     base = tiny_base()
     cfg = TrainConfig(lr=3e-3, batch_size=2, max_epochs=a.epochs, strategy=a.strategy, devices=a.devices)
     module = fit(base, DistillDataset(tiny_samples(base), 64), DrafterConfig.for_base(base.args), cfg, a.out,
-                 accelerator="cpu")
+                 accelerator=a.accelerator)
     rank = module.global_rank
     checksum = float(sum(p.detach().double().sum() for p in module.head.parameters()))
     Path(a.out, f"rank{rank}.json").write_text(json.dumps(

@@ -186,7 +186,7 @@ class Transformer(nn.Module):
         self.register_buffer("causal_mask", causal, persistent=False)
         self.max_seq_len = max_seq_len
 
-    def compile_decode(self, gguf: str | Path | None = None) -> int:
+    def compile_decode(self, gguf: str | Path | None = None, options: dict | None = None) -> int:
         """Run one-token steps (M=1, no key mask) through `torch.compile` from now on.
 
         The step is compiled with a symbolic `start` (dynamic=True) on its first call: tens of seconds
@@ -199,10 +199,11 @@ class Transformer(nn.Module):
         gguf: the GGUF file the fp32 weights were expanded from. Its block codes are attached to the
         CPU fp32 linears they reproduce exactly (see gguf_codes), and compiled steps read those, 1 byte
         per weight instead of 4 (+~1.2 bytes per weight of memory). Returns how many linears read codes.
+        options: inductor options (models.prepare.compile_for_device passes the device's).
         """
         coded = attach_codes(self, gguf) if gguf is not None else 0
         if self._compiled_step is None:
-            self._compiled_step = torch.compile(self._forward, dynamic=True, options={"cpp_wrapper": True})
+            self._compiled_step = torch.compile(self._forward, dynamic=True, options=options)
         return coded
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
@@ -251,8 +252,9 @@ def hf_to_lean_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, T
 
 
 def build_model(args: ModelArgs, state_dict: dict[str, Tensor], dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> Transformer:
-    """Build on the meta device, then assign the weights (no double allocation)."""
+                device: str | torch.device | None = None) -> Transformer:
+    """Build on the meta device, then assign the weights (no double allocation) on `device` (default:
+    where the state dict's tensors are)."""
     with torch.device("meta"):
         model = Transformer(args)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}

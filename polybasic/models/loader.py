@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from polybasic.artifacts import atomic_path, clean_partials
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError
 from polybasic.models.args import ModelArgs
-from polybasic.models.llama import Transformer, build_model, hf_to_lean_state_dict, use_decode_layout
+from polybasic.models.llama import Transformer, build_model, hf_to_lean_state_dict
+from polybasic.models.prepare import prepare_for_device
 from polybasic.models.preflight import (DTYPE_NAMES, check_gguf, corrupt_safetensors, fix_for_folder,
                                         fix_for_gguf, source_kind)
 from polybasic.models.registry import REGISTRY, cache_root, gguf_path
@@ -154,15 +155,14 @@ def _folder_and_args(source: str) -> tuple[Path, ModelArgs]:
     return folder, ModelArgs.from_hf_config(AutoConfig.from_pretrained(folder))
 
 
-def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a lean decoder and its tokenizer (and chat template) from any supported source."""
+def load_model(source: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
+    """Load a lean decoder and its tokenizer (and chat template) from any supported source, on `device`
+    (an ExecutionContext's, checked at the edge) and prepared for it (models.prepare)."""
     dt = parse_dtype(dtype)
     if str(source).endswith(".safetensors"):
         return load_quantized_model(source, device)
     folder, args = _folder_and_args(source)
-    model = build_model(args, hf_to_lean_state_dict(read_state_dict(folder), args), dt, device)
-    if dt == torch.float32 and torch.device(device).type == "cpu":
-        use_decode_layout(model)  # faster few-token matmuls on CPU (see use_decode_layout)
+    model = prepare_for_device(build_model(args, hf_to_lean_state_dict(read_state_dict(folder), args), dt, device))
     return LoadedModel(model, load_tokenizer(folder), args, source, folder)
 
 

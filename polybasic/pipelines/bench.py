@@ -11,12 +11,12 @@ def _args(recipe, out: Path) -> argparse.Namespace:
     """The `polybasic bench --bundle` options this stage stands for."""
     b, p = recipe.bench, recipe.profile
     return argparse.Namespace(
-        bundle=str(out / recipe.export.folder), model=None, dtype=recipe.model.dtype,
+        bundle=str(out / recipe.export.folder), model=None, dtype=recipe.model.dtype, device=recipe.model.device,
         questions=b.questions or None, per_category=b.per_category,
         categories=",".join(b.categories) or None, max_new_tokens=b.max_new_tokens, methods=b.methods,
         temperature=p.temperature, top_k=0, top_p=p.top_p, draft_tokens=p.k, adaptive_k=False, seed=0,
         warmup=b.warmup, threads=None, json_out=str(out / "bench" / "bench.json"), report=str(out / "bench"),
-        no_progress=False)
+        no_progress=False, reprofile=False)
 
 
 def check_inputs(recipe, out: Path, upstream: set[str]) -> None:

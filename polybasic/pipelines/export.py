@@ -14,7 +14,7 @@ def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
 
 def plan_summary(row: dict) -> dict:
     """What the manifest keeps of the chosen plan row."""
-    return {"chain": row["spec"], "k": row["k"], "thresholds": row["thresholds"],
+    return {"chain": row["spec"], "levels": row["chain"], "k": row["k"], "thresholds": row["thresholds"],
             "predicted_speedup": row["speedup"], "predicted_speedup_lemma": row["speedup_lemma"],
             "predicted_ms_per_token": row["ms_per_token"], "tau": row["tau"],
             "model": "measured-curve model (polybasic.planner.cost)"}
@@ -43,7 +43,7 @@ def run_stage(ctx) -> list[Path]:
                   profile=json.loads((out / "profile.json").read_text()),
                   plan={**plan_summary(best), "candidates": len(plan["rows"])},
                   recipe_yaml=yaml.safe_dump(to_dict(recipe), sort_keys=False),
-                  machine=machine_info(recipe.model.dtype, f"polybasic run {ctx.recipe_path}"),
+                  machine=machine_info(recipe.model.dtype, f"polybasic run {ctx.recipe_path}", recipe.model.device),
                   level_tokenizers=toks)
     print(f"wrote {folder} (chain {best['spec']}, predicted {best['speedup']:.2f}x)")
     return [folder / "manifest.json"]

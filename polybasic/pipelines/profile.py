@@ -17,7 +17,7 @@ from pathlib import Path
 
 from polybasic.artifacts import announce, fault_point, write_json
 from polybasic.errors import ConfigError
-from polybasic.pipelines.sections import OWN_LEVELS, ProfileSection
+from polybasic.pipelines.sections import ProfileSection
 
 
 def own_level(name: str, out: Path) -> str:
@@ -124,7 +124,7 @@ def run_stage(ctx) -> list[Path]:
     for name in names:  # bases first: an eagle head drafts on a level built before it
         spec = parse_level_spec(own_level(name, out))
         above = levels[_base_of(name)] if spec.kind == "eagle" else levels["target"]
-        levels[name] = load_entry(KINDS[spec.kind].builder)(spec, lm, above, "cpu")
+        levels[name] = load_entry(KINDS[spec.kind].builder)(spec, lm, above, lm.model.device)
         if levels[name].vocab_size is None:
             levels[name].vocab_size = levels["target"].vocab_size
     for n, lv in levels.items():  # profiled under the recipe's names: portable, unlike their file paths
@@ -148,7 +148,7 @@ def run_stage(ctx) -> list[Path]:
                              lambda v=v, d=d: pair_acceptance(levels[v], levels[d], prompts, sec.k, sampling,
                                                               sec.max_new_tokens, eos),
                              asdict, lambda x: PairProfile(**x)))
-    profile = Profile("target", list(profiled.values()), pairs, "cpu",
+    profile = Profile("target", list(profiled.values()), pairs, str(lm.model.device),
                       {"temperature": sec.temperature, "top_k": 0, "top_p": sec.top_p})
     profile.save(out / "profile.json")
     for p in pairs:

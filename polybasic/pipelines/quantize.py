@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from polybasic.data import DataSource, Example, read_examples
 from polybasic.artifacts import announce, clean_and_announce
 from polybasic.errors import ConfigError
-from polybasic.pipelines.recipe import Recipe, atomic_write_text, dump_recipe, load_recipe, to_dict
+from polybasic.pipelines.recipe import Recipe, atomic_write_text, dump_recipe, to_dict
 from polybasic.quant.calibrate import build_quantized_model, calibrate, parse_scheme
 
 log = logging.getLogger(__name__)

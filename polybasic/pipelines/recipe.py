@@ -27,11 +27,14 @@ RECIPE_VERSION = 1
 class ModelSection:
     source: str = "smollm2-135m"  # short name, .gguf, HF folder or Hub id
     dtype: str = "float32"
+    device: str = "cpu"  # cpu, cuda or cuda:N: where every stage loads and runs the models
 
     def __post_init__(self) -> None:
         from polybasic.models.loader import parse_dtype
+        from polybasic.runtime.context import parse_device
 
         parse_dtype(self.dtype)
+        parse_device(self.device, "model.device")  # availability is checked when the recipe runs
 
 
 @dataclass

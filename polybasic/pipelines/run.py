@@ -36,12 +36,13 @@ class StageContext:
 
     @property
     def target(self):
-        """The recipe's model (models.loader.LoadedModel) in its dtype, loaded once."""
+        """The recipe's model (models.loader.LoadedModel) in its dtype on its device, loaded once; the
+        stages build their levels where it is."""
         if self._target is None:
             from polybasic.models import load_model
 
             m = self.recipe.model
-            self._target = load_model(m.source, m.dtype)
+            self._target = load_model(m.source, m.dtype, m.device)
         return self._target
 
 
@@ -49,7 +50,10 @@ def fingerprint(st: Stage, recipe, upstream: dict[str, str]) -> str:
     """sha256 of a stage's inputs: the model, its sections, its upstream stages' fingerprints."""
     from polybasic.pipelines.serde import to_dict
 
-    inputs = {"stage": st.name, "model": to_dict(recipe.model),
+    model = to_dict(recipe.model)
+    if model.get("device") == "cpu":  # the default: fingerprints stay those of runs made before the field
+        del model["device"]
+    inputs = {"stage": st.name, "model": model,
               "sections": {s: to_dict(getattr(recipe, s)) for s in st.sections},
               "upstream": {u: upstream.get(u) for u in st.needs}}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
@@ -94,6 +98,9 @@ def run_recipe(recipe_path: str | Path, out_dir: str | Path | None = None,
     if only and not names:
         raise ConfigError(f"stages: none of {list(only)} is a stage; use {', '.join(NAMES)}")
     out = Path(out_dir or recipe.out_dir)
+    from polybasic.runtime.context import check_device
+
+    check_device(recipe.model.device, f"{recipe_path}: model.device")  # a missing GPU fails before any stage
     check_inputs(recipe, out, names)
     out.mkdir(parents=True, exist_ok=True)
     clean_and_announce(out)

@@ -7,7 +7,6 @@ calls after `warmup`, timed round-robin, through a timer that synchronizes a CUD
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -17,6 +16,7 @@ from polybasic.errors import ConfigError, check
 from polybasic.planner.profile import CostCurve, LevelProfile, PairProfile, Profile
 from polybasic.planner.theory import acceptance_rate
 from polybasic.runtime.chain import Chain, check_k
+from polybasic.runtime.context import timed
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 from polybasic.runtime.sampling import SamplingConfig, make_generator
 from polybasic.runtime.stats import LinkStats
@@ -29,16 +29,13 @@ def medians_ms(fns: Sequence[Callable[[], object]], device: torch.device | str =
     and after each call."""
     check(reps >= 1 and warmup >= 0, "reps / warmup", f"need reps >= 1 and warmup >= 0, got {reps}, {warmup}",
           "e.g. reps=10, warmup=2")
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times: list[list[float]] = [[] for _ in fns]
     for i in range(warmup + reps):
         for fn, out in zip(fns, times):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
+            with timed(device) as t:
+                fn()
             if i >= warmup:
-                out.append((time.perf_counter() - t0) * 1e3)
+                out.append(t.seconds * 1e3)
     return [statistics.median(t) for t in times]
 
 
@@ -172,7 +169,7 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
 
 def build_profile(levels: Sequence[Level], pairs: Sequence[tuple[Level, Level]], prompts: Sequence[list[int]],
                   k: int, sampling: SamplingConfig = SamplingConfig(), context: int = 256, reps: int = 10,
-                  max_new_tokens: int = 64, eos: Iterable[int] = (), device: str = "cpu") -> Profile:
+                  max_new_tokens: int = 64, eos: Iterable[int] = (), device: str | None = None) -> Profile:
     """Every level's cost curve (M = 1..k+1, and 2(k+1), 3(k+1) for the chunks a middle level hands
     up) and every (verifier, drafter) pair's acceptance, as one Profile. levels: the target first."""
     tokens = sorted(set(range(1, k + 2)) | {2 * (k + 1), 3 * (k + 1)})
@@ -182,4 +179,4 @@ def build_profile(levels: Sequence[Level], pairs: Sequence[tuple[Level, Level]],
     profiled = [level_profile(lv, cost_curve(lv, tokens, context, reps)) for lv in levels]
     accepted = [pair_acceptance(v, d, prompts, k, sampling, max_new_tokens, eos) for v, d in pairs]
     cfg = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
-    return Profile(levels[0].name, profiled, accepted, device, cfg)
+    return Profile(levels[0].name, profiled, accepted, str(_device(levels[0]) if device is None else device), cfg)

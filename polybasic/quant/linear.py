@@ -31,7 +31,13 @@ from polybasic.quant.primitives import (dequantize_weight, fake_quantize_activat
                                         quantize_activation, quantize_weight, resolve_group_size,
                                         unpack_int4)
 
-CUDA_INNER_K_TILES = 8  # gpt-fast / torchao default for the CUDA tinygemm layout
+CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA tinygemm layout's tile counts, best first (gpt-fast / torchao use 8)
+
+
+def cuda_inner_k_tiles(in_features: int) -> int | None:
+    """The largest CUDA tile count whose 16 * tiles divides in_features (SmolLM2's 576 = 4 x 144: 4),
+    None if none does."""
+    return next((t for t in CUDA_INNER_K_TILES if in_features % (16 * t) == 0), None)
 
 
 class QuantLinear(nn.Module):
@@ -131,6 +137,8 @@ class Int4PackLinear(QuantLinear):
     """tinygemm layout: w = (u - 8) * s + z with u = q + 8 in [0, 15]; so s = scale, z = -zero*scale."""
 
     kernel = "int4pack"
+    _mm = None  # the device's int4pack matmul and from how many rows a dense GEMM runs instead (None: never),
+    _dense_rows: int | None = None  # both bound by prepare() for the packed weights' device
     gemm_rows = 256  # CPU: from this many rows on (measured: 256-token prefill 446 -> 340 ms), dequantize to x.dtype and run one GEMM (AMX)
 
     @classmethod
@@ -145,8 +153,8 @@ class Int4PackLinear(QuantLinear):
             return f"group size {g} is not one of {INT4PACK_GROUP_SIZES}"
         if out_features % 16:
             return f"out_features={out_features} is not a multiple of 16"
-        if dev == "cuda" and (in_features % (CUDA_INNER_K_TILES * 16) or out_features % 8):
-            return f"cuda needs in_features % {CUDA_INNER_K_TILES * 16} == 0"
+        if dev == "cuda" and cuda_inner_k_tiles(in_features) is None:
+            return f"cuda needs in_features % {16 * CUDA_INNER_K_TILES[-1]} == 0, got {in_features}"
         return None
 
     def __init__(self, in_features, out_features, config, bias=False, bias_dtype=torch.float32,
@@ -164,11 +172,13 @@ class Int4PackLinear(QuantLinear):
         if self.qweight.is_meta:
             return
         u = (self.codes().to(torch.int32) + 8)  # [out, in] in [0, 15]
-        if self.qweight.device.type == "cuda":  # untested here: no GPU on this machine
+        if self.qweight.device.type == "cuda":  # checked by the gpu tests (tests/gpu), not on a CPU
             u8 = (u[:, 0::2] << 4 | u[:, 1::2]).to(torch.uint8)  # [out, in/2], high nibble first
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(u8, CUDA_INNER_K_TILES)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(u8, cuda_inner_k_tiles(self.in_features))
+            self._mm, self._dense_rows = torch.ops.aten._weight_int4pack_mm, None
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
+            self._mm, self._dense_rows = torch.ops.aten._weight_int4pack_mm_for_cpu, self.gemm_rows
         dt = self.scales_and_zeros.dtype if self.scales_and_zeros.is_floating_point() else torch.bfloat16
         self.scales_and_zeros = self._scales_and_zeros(dt)
 
@@ -176,13 +186,10 @@ class Int4PackLinear(QuantLinear):
         if self.scales_and_zeros.dtype != x.dtype:  # rebuild once per dtype change, from fp32 scales
             self.scales_and_zeros = self._scales_and_zeros(x.dtype)
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if x.device.type == "cpu" and x2.shape[0] >= self.gemm_rows and x.dtype != torch.float32:
-            y = F.linear(x2, self.dequantized_weight(x.dtype))  # prefill: a bf16 GEMM beats the kernel
-        elif x.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
-                                                           self.scales_and_zeros)
+        if self._dense_rows is not None and x2.shape[0] >= self._dense_rows and x.dtype != torch.float32:
+            y = F.linear(x2, self.dequantized_weight(x.dtype))  # CPU prefill: a bf16 GEMM beats the kernel
+        else:  # the kernel prepare() bound for the weights' device
+            y = self._mm(x2, self.packed, self.group_size, self.scales_and_zeros)
         return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))
 
 

@@ -127,6 +127,18 @@ def _model_ref(source: str, dtype: str, tokenizer) -> dict:
             "vocab_size": len(tokenizer.get_vocab()), "tokenizer_sha256": tokenizer_sha256(tokenizer)}
 
 
+def _level_config(kind: str, path: Path) -> dict:
+    """What a level file says it is, from its header: a quantized copy's scheme, kernel, dtype and
+    source; a head's drafter config."""
+    from polybasic.models.preflight import HEAD_CONFIG_KEY, safetensors_metadata
+
+    meta = safetensors_metadata(path, "export it again")
+    if kind == "quantized":
+        return {"quant_config": json.loads(meta.get("quant_config", "{}")), "dtype": meta.get("dtype"),
+                "source": meta.get("source")}
+    return {"drafter_config": json.loads(meta.get(HEAD_CONFIG_KEY, "{}"))}
+
+
 # -- export ---------------------------------------------------------------------------------------
 def export_bundle(folder: str | Path, target_source: str, target_dtype: str, chain: ChainSpec,
                   decoding: Decoding, tokenizer, *, profile: dict | None = None, plan: dict | None = None,
@@ -151,7 +163,7 @@ def export_bundle(folder: str | Path, target_source: str, target_dtype: str, cha
                 shutil.copyfile(Path(lv.path).expanduser(), tmp / rel)
                 lv = replace(lv, path=rel, name="")  # named by its place in the bundle
                 files[rel] = {"sha256": sha256_file(tmp / rel), "bytes": (tmp / rel).stat().st_size,
-                              "level": lv.name}
+                              "level": lv.name, "config": _level_config(lv.kind, tmp / rel)}
             elif lv.kind in MODEL_KINDS:
                 tok = (level_tokenizers or {}).get(lv.name)
                 if tok is None:
@@ -326,19 +338,62 @@ class BundleDecoder:
         """The whole answer as text; `stats` describes the run."""
         return "".join(self.stream(prompt, max_new_tokens, **kw))
 
+    def reprofile(self, reps: int = 5, k_values: tuple[int, ...] = tuple(range(1, 9)),
+                  thresholds: tuple[int, ...] = (2, 4, 6, 8, 10, 12)) -> dict:
+        """Re-measure the levels' forward costs on this machine, keep the bundle's measured pair
+        acceptances (they do not depend on the machine), re-plan among the bundle's levels (any
+        sub-chain, k, thresholds) and decode with the new best. Returns the new plan row."""
+        from polybasic.planner.measure import cost_curve
+        from polybasic.planner.profile import LevelProfile, Profile
+        from polybasic.planner.search import SearchSpace, plan
+        from polybasic.runtime.chain import Chain
+
+        m = self.manifest
+        names = (m.plan or {}).get("levels")
+        if not m.profile or not names:
+            raise ConfigError(f"bundle: {self.folder}: {MANIFEST} holds no profile and plan to re-plan from; "
+                              "export the bundle with `polybasic run` (profile, plan, export)")
+        old = Profile.from_dict(m.profile, "manifest profile")
+        by_name = dict(zip(names, self.chain.levels))
+        fresh = []
+        for name, level in by_name.items():
+            lp = old.level(name)
+            curve = cost_curve(level, lp.cost.tokens, lp.cost.context, reps)
+            fresh.append(LevelProfile(name, lp.kind, curve, lp.base))
+        profile = Profile(old.target, fresh, [p for p in old.pairs if {p.verifier, p.drafter} <= set(names)],
+                          self.device, old.sampling)
+        best = plan(profile, SearchSpace(list(k_values), list(thresholds), len(names),
+                                         (m.plan or {}).get("new_tokens", 128))).best
+        d = m.decoding
+        self.chain = Chain([by_name[n] for n in best.chain], k=best.k, thresholds=best.thresholds or None,
+                           eos=self.chain.eos, adaptive_k=d.adaptive_k)
+        self.manifest.plan = {**(m.plan or {}), "chain": best.spec, "levels": best.chain, "k": best.k,
+                              "thresholds": best.thresholds, "predicted_speedup": best.speedup,
+                              "predicted_speedup_lemma": best.speedup_lemma, "tau": best.tau,
+                              "reprofiled": True}
+        self.manifest.decoding = Decoding(best.k, tuple(best.thresholds) or None, d.adaptive_k, d.temperature,
+                                          d.top_k, d.top_p)
+        self.manifest.profile = profile.to_dict()
+        return self.manifest.plan
+
 
 def load(bundle: str | Path, device: str = "cpu", *, revision: str | None = None,
-         verify_target: bool = True, target=None) -> BundleDecoder:
+         verify_target: bool = True, target=None, reprofile: bool = False) -> BundleDecoder:
     """Load a chain bundle (a folder or a Hub id, through the HF cache) into a lossless decoder.
 
     Every check (schema, files, sha256, target identity, tokenizers) runs before any weights load.
-    target: the bundle's target already loaded (a models.loader.LoadedModel), to share it."""
+    target: the bundle's target already loaded (a models.loader.LoadedModel), to share it.
+    reprofile: re-measure the levels' costs here and re-plan (see BundleDecoder.reprofile); by
+    default nothing is measured and the bundle's own plan runs."""
     from polybasic.models.loader import load_model
     from polybasic.runtime.chain import Chain
     from polybasic.runtime.hub import resolve_bundle
     from polybasic.runtime.spec import build_chain
     from polybasic.runtime.text import eos_ids
 
+    from polybasic.runtime.context import check_device
+
+    device = str(check_device(device, "device"))  # before any check or load: a missing CUDA fails first
     folder = resolve_bundle(bundle, revision)
     m = check_bundle(folder, verify_target=verify_target)
     lm = target or load_model(m.target["source"], m.target.get("dtype", "float32"), device)
@@ -346,4 +401,7 @@ def load(bundle: str | Path, device: str = "cpu", *, revision: str | None = None
     d = m.decoding
     chain = Chain(levels, k=d.k, thresholds=None if d.thresholds is None else list(d.thresholds),
                   eos=eos_ids(lm.tokenizer), adaptive_k=d.adaptive_k)
-    return BundleDecoder(folder, m, lm, chain, device)
+    dec = BundleDecoder(folder, m, lm, chain, device)
+    if reprofile:
+        dec.reprofile()
+    return dec

@@ -19,7 +19,7 @@ from torch import Tensor
 from polybasic.errors import ConfigError, check
 from polybasic.runtime.generate import check_request
 from polybasic.runtime.levels import Level
-from polybasic.runtime.sampling import SamplingConfig
+from polybasic.runtime.sampling import SamplingConfig, check_generator
 from polybasic.runtime.stats import ChainStats, LinkStats
 from polybasic.runtime.verify import speculative_verify
 
@@ -46,9 +46,12 @@ class Chain:
             check(lvl.can_score, f"level '{lvl.name}'", "cannot verify (it only proposes)",
                   "place it at the bottom of the chain")
         vocab = levels[0].vocab_size
+        device = getattr(getattr(levels[0], "model", None), "device", None)
         for lvl in levels[1:]:
             if lvl.vocab_size is None:
                 lvl.vocab_size = vocab
+            if getattr(lvl, "device", False) is None:  # a model-free level drafts where the target verifies
+                lvl.device = device
             elif lvl.vocab_size != vocab:
                 raise ConfigError(f"level '{lvl.name}': vocabulary size {lvl.vocab_size} differs from the "
                                   f"target's {vocab}; every level must share the target's tokenizer")
@@ -64,6 +67,9 @@ class Chain:
         """Yield new tokens as the target commits them. `self.stats` describes the run."""
         target = self.levels[0]
         budget = check_request(prompt, max_new_tokens, getattr(target, "max_seq_len", 1 << 30))
+        device = getattr(getattr(target, "model", None), "device", None)  # where the target's probabilities are
+        if device is not None:
+            check_generator(None if sampling.greedy else generator, device)
         t0 = time.perf_counter()
         self.sampling, self.generator = sampling, generator
         self._k = self.k  # current draft length of the bottom level

@@ -9,7 +9,8 @@ import torch
 
 from polybasic.errors import ConfigError, check
 from polybasic.models.llama import Transformer
-from polybasic.runtime.sampling import SamplingConfig, probs_from_logits, sample
+from polybasic.runtime.context import synchronize
+from polybasic.runtime.sampling import SamplingConfig, check_generator, probs_from_logits, sample
 
 
 @dataclass
@@ -51,10 +52,12 @@ def generate_tokens(model: Transformer, prompt_ids: list[int], max_new_tokens: i
     """Yield new tokens one by one (the prompt is not repeated). Fills `stats` as it goes."""
     stats = stats if stats is not None else GenerationStats()
     budget = check_request(prompt_ids, max_new_tokens, model.args.max_seq_len)
+    check_generator(None if sampling.greedy else generator, model.device)
     t0 = time.perf_counter()
     model.setup_caches(len(prompt_ids) + budget)
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)  # [1, P]
     logits, _ = model(tokens, 0, last_only=True)  # [1, 1, V]
+    synchronize(model.device)  # the prefill's time, not its launch's (CUDA)
     stats.prompt_tokens = len(prompt_ids)
     stats.prefill_s = time.perf_counter() - t0
     pos = len(prompt_ids)

@@ -126,6 +126,7 @@ class NGramLevel(Level):
         check(max_ngram >= min_ngram, "max_ngram", f"must be >= min_ngram ({min_ngram}), got {max_ngram}",
               "raise max_ngram")
         self.max_ngram, self.min_ngram, self.name, self.vocab_size = max_ngram, min_ngram, name, vocab_size
+        self.device: torch.device | None = None  # where its one-hot rows are made (a Chain sets the target's)
 
     def lookup(self, context: list[int], k: int) -> list[int]:
         ctx = np.asarray(context, dtype=np.int64)
@@ -148,7 +149,7 @@ class NGramLevel(Level):
             if t in eos:
                 tokens = tokens[:i + 1]
                 break
-        q = torch.zeros(len(tokens), self.vocab_size)
+        q = torch.zeros(len(tokens), self.vocab_size, device=self.device)  # [len, V]
         if tokens:
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         self.counters.forwards += 1

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from polybasic.errors import check
+from polybasic.errors import ConfigError, check
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,21 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     return (probs / noise).argmax(-1)
 
 
-def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+def make_generator(seed: int | None, device: str | torch.device) -> torch.Generator:
+    """A generator on `device`, the one whose probabilities it samples (seed None: a random seed)."""
     g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
         g.manual_seed(seed)
     return g
+
+
+def check_generator(generator: torch.Generator | None, device: str | torch.device, where: str = "generator") -> None:
+    """A clear error, before any work, for a generator on another device than the probabilities it
+    will sample (torch would fail mid-decoding with "Expected a 'cuda' device type for generator")."""
+    dev = torch.device(device)
+    if generator is not None and generator.device.type != dev.type:
+        raise ConfigError(f"{where}: a generator on {generator.device} cannot sample probabilities on {dev}; "
+                          f"make it on the model's device: make_generator(seed, {str(dev)!r}) or "
+                          "ExecutionContext.generator()")

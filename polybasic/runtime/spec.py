@@ -5,24 +5,27 @@ its kind's builder; `parse_chain(text, target)` is the `--chain` spelling parsed
 """
 from __future__ import annotations
 
+import torch
+
 from polybasic._lazy import load_entry
+from polybasic.errors import ConfigError
 from polybasic.models.loader import LoadedModel, load_model
 from polybasic.runtime.chainspec import KINDS, ChainSpec, LevelSpec, check_chain_files, named, parse_chain_spec
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 
 
-def build_ngram(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+def build_ngram(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
     return NGramLevel(max_ngram=spec.max_ngram, name=spec.name)
 
 
-def build_eagle(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+def build_eagle(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
     from polybasic.drafters.head import load_head
     from polybasic.drafters.level import EagleLevel
 
     return EagleLevel(load_head(spec.path, above.model), above, name=spec.name)
 
 
-def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
     from polybasic.models.llama import Transformer
     from polybasic.quant import load_quantized
 
@@ -30,16 +33,16 @@ def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: 
     return ModelLevel(model, name=spec.name, tokenizer=target.tokenizer)
 
 
-def _model_level(source: str, spec: LevelSpec, device: str) -> Level:
+def _model_level(source: str, spec: LevelSpec, device: torch.device) -> Level:
     lm = load_model(source, spec.dtype, device)
     return ModelLevel(lm.model, name=spec.name, tokenizer=lm.tokenizer)
 
 
-def build_target(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+def build_target(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
     return _model_level(target.name, spec, device)
 
 
-def build_model(spec: LevelSpec, target: LoadedModel, above: Level, device: str) -> Level:
+def build_model(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
     """Another model (e.g. a smaller sibling of the target): its tokenizer must be the target's."""
     from polybasic.models.tokenizer_check import check_same_tokenizer
 
@@ -48,9 +51,15 @@ def build_model(spec: LevelSpec, target: LoadedModel, above: Level, device: str)
     return level
 
 
-def build_chain(spec: ChainSpec, target: LoadedModel, device: str = "cpu", flag: str = "chain") -> list[Level]:
-    """Target level first, then the spec's levels; every file is checked before any level loads."""
+def build_chain(spec: ChainSpec, target: LoadedModel, device: str | torch.device | None = None,
+                flag: str = "chain") -> list[Level]:
+    """Target level first, then the spec's levels, every one on `device` (default: the target's, where
+    its verification reads their drafts); every file is checked before any level loads."""
     check_chain_files(spec, flag)
+    device = torch.device(target.model.device if device is None else device)
+    if device != torch.device(target.model.device):
+        raise ConfigError(f"{flag}: levels asked for on {device}, but the target is on {target.model.device}; "
+                          "load the target on the same device")
     levels: list[Level] = [ModelLevel(target.model, name="target", tokenizer=target.tokenizer)]
     for lv in spec.levels:
         with named(f"{flag}: level '{lv.name}'"):
@@ -58,6 +67,7 @@ def build_chain(spec: ChainSpec, target: LoadedModel, device: str = "cpu", flag:
     return levels
 
 
-def parse_chain(text: str, target: LoadedModel, device: str = "cpu", flag: str = "chain") -> list[Level]:
+def parse_chain(text: str, target: LoadedModel, device: str | torch.device | None = None,
+                flag: str = "chain") -> list[Level]:
     """The levels `text` spells (see runtime.chainspec), the target's first. May start with 'target+'."""
     return build_chain(parse_chain_spec(text, flag), target, device, flag)

@@ -38,7 +38,7 @@ def test_greedy_lossless_and_proposals_in_vocab():
     lvl = EagleLevel(head, tl)
     assert Chain([tl, lvl], k=4).generate([3, 9, 4], 30)[0] == ref
     lvl.start(64)
-    toks, q = lvl.propose([3, 9, 4], 4, SamplingConfig(temperature=1.0), make_generator(0), frozenset())
+    toks, q = lvl.propose([3, 9, 4], 4, SamplingConfig(temperature=1.0), make_generator(0, target.device), frozenset())
     assert set(toks) <= set(head.d2t.tolist()) and q.shape == (4, 128)
     torch.testing.assert_close(q.sum(-1), torch.ones(4))
 

@@ -41,18 +41,19 @@ def test_greedy_three_level_chain_head_on_middle():
     assert out == ref
 
 
-def check_sampled_chain(head_for, seed: int) -> None:
-    """target + EagleLevel(head_for(target)) samples match the target's distribution (chi-square)."""
+def check_sampled_chain(head_for, seed: int, device: str = "cpu") -> None:
+    """target + EagleLevel(head_for(target)) samples match the target's distribution (chi-square);
+    the target and its head on `device` (the exact distributions are computed on the CPU)."""
     hf = tiny_hf_llama(seed=10, **KW)
-    target = lean_from_hf(hf)
+    target = lean_from_hf(hf).to(device)
     sampling = SamplingConfig(temperature=1.0)
     p1, joint = exact_joint(hf, sampling)
     tl = ModelLevel(target, "target")
-    chain = Chain([tl, EagleLevel(head_for(target), tl)], k=3)
+    chain = Chain([tl, EagleLevel(head_for(target).to(device), tl)], k=3)
     first, seqs = chain_sample_counts(chain, PROMPT, sampling, seed, N, V)
     assert chi_square_pvalue(first, p1) > P_MIN
     assert chi_square_pvalue(seqs, joint) > P_MIN
 
 
-def test_sampled_chain_matches_target_distribution():
-    check_sampled_chain(make_head, 1234)
+def test_sampled_chain_matches_target_distribution(device):
+    check_sampled_chain(make_head, 1234, device)

@@ -12,6 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from polybasic.models import gguf_codes
 from polybasic.models.gguf_codes import BLOCK, KINDS as READ_KINDS, _parse, attach_codes, read_codes
+from polybasic.models.prepare import compile_for_device
 from polybasic.runtime.generate import generate_tokens
 from tests.helpers import lean_from_hf, tiny_hf, tiny_hf_llama
 
@@ -78,7 +79,7 @@ def test_compiled_steps_read_the_codes_and_match_eager(tmp_path):
     lean, path, linears = _gguf_model(tmp_path)
     compiled = lean_from_hf(tiny_hf_llama(tie=True))
     compiled.load_state_dict(lean.state_dict())
-    assert compiled.compile_decode(path) == len(linears)
+    assert compile_for_device(compiled, path) == len(linears)
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(4))
     lean.setup_caches(64)
     compiled.setup_caches(64)
@@ -219,7 +220,7 @@ def test_tiny_qwen2_gguf_with_k_quants_loads_and_steps_read_its_codes(tmp_path, 
     torch.testing.assert_close(got, want)
     model = lm.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert model.compile_decode(lm.gguf_file) == len(linears)
+    assert compile_for_device(model, lm.gguf_file) == len(linears)
     for lin in linears:
         assert torch.equal(gguf_codes.BlockCodes(lin.codes, lin.code_scale, lin.code_min).dequantize(), lin.weight)
     assert model.layers[0].attention.wqkv.codes.shape[-1] == 16  # Q6_K v rows: groups of 16 for all

@@ -8,6 +8,7 @@ import torch
 from polybasic.errors import ConfigError
 from polybasic.models import ModelArgs
 from polybasic.models.llama import apply_rope, use_decode_layout
+from polybasic.models.prepare import compile_for_device
 from tests.helpers import TINY_HF, lean_from_hf, tiny_hf, tiny_hf_llama
 
 
@@ -174,7 +175,7 @@ def test_compiled_decode_matches_transformers_and_eager_greedy():
     counters.clear()
     hf = tiny_hf_llama(tie=True)
     lean, compiled = lean_from_hf(hf), lean_from_hf(hf)
-    compiled.compile_decode()
+    compile_for_device(compiled)
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(4))
     ref = ref_logits(hf, ids)
     compiled.setup_caches(40)

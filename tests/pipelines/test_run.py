@@ -77,6 +77,11 @@ def test_run_ends_in_a_bundle_that_decodes_as_planned(tmp_path, capsys):
     prompt = [5, 9, 5, 9, 5]
     want, _ = planned.generate(prompt, 16)
     assert list(B.load(out / "bundle").tokens(prompt, 16)) == want == list(generate_tokens(lm.model, prompt, 16))
+    # re-measured and re-planned here among the bundle's own levels, still the target's greedy output
+    dec = B.load(out / "bundle", reprofile=True)
+    assert dec.manifest.plan["reprofiled"] and dec.manifest.plan["levels"][0] == "target"
+    assert set(dec.manifest.plan["levels"]) <= set(best["chain"]) and dec.predicted_speedup > 0
+    assert list(dec.tokens(prompt, 16)) == want
     # a fresh process loads it too
     r = subprocess.run([sys.executable, "-m", "polybasic.cli", "generate", "--bundle", str(out / "bundle"),
                         "--prompt", "w1 w2", "--max-new-tokens", "6", "--json"], capture_output=True, text=True,

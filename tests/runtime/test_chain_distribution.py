@@ -27,7 +27,8 @@ SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-p0.9": SamplingConfig(
 
 
 @functools.cache
-def make_world(family: str):
+def make_world(family: str, device: str = "cpu"):
+    """The reference HF target (on the CPU, for the exact distributions) and lean levels on `device`."""
     hf = tiny_hf(family, seed=10, **KW)
     models = {
         "target": lean_from_hf(hf),
@@ -35,12 +36,12 @@ def make_world(family: str):
         "far": lean_from_hf(perturbed_copy(hf, 0.8, seed=12)),
         "small": lean_from_hf(tiny_hf(family, seed=13, **{**KW, "hidden": 16})),
     }
-    return hf, models
+    return hf, {name: m.to(device) for name, m in models.items()}
 
 
-@pytest.fixture(scope="module")
-def world():
-    return make_world("llama")
+@pytest.fixture
+def world(device):
+    return make_world("llama", device)
 
 
 def exact_joint(hf, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +71,8 @@ def sample_chain(models, names, sampling, seed, n=N, adaptive_k=False):
 
 
 @pytest.mark.parametrize("family, cname, sname", CASES, ids=["-".join(c) for c in CASES])
-def test_chain_samples_match_target(family, cname, sname):
-    hf, models = make_world(family)
+def test_chain_samples_match_target(family, cname, sname, device):
+    hf, models = make_world(family, device)
     sampling = SAMPLINGS[sname]
     p1, joint = exact_joint(hf, sampling)
     first, seqs = sample_chain(models, CHAINS[cname], sampling, seed=1234)

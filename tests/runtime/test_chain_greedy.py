@@ -13,15 +13,15 @@ KW = dict(vocab=96, hidden=48, layers=2, heads=4, kv_heads=2, init_std=0.2)
 
 
 @pytest.fixture(scope="module", params=list(TINY_HF))
-def models(request):
-    """Every level of one family (Llama, Qwen2 with q/k/v biases)."""
+def models(request, device):
+    """Every level of one family (Llama, Qwen2 with q/k/v biases), on every device (conftest)."""
     hf = tiny_hf(request.param, seed=0, **KW)
-    return {
+    return {name: m.to(device) for name, m in {
         "target": lean_from_hf(hf),
         "close": lean_from_hf(perturbed_copy(hf, 0.02, seed=1)),
         "far": lean_from_hf(perturbed_copy(hf, 0.06, seed=2)),
         "small": lean_from_hf(tiny_hf(request.param, seed=3, **{**KW, "hidden": 32, "layers": 1})),
-    }
+    }.items()}
 
 
 CHAINS = {

@@ -27,9 +27,9 @@ def test_greedy_matches_transformers_generate(pair):
 def test_sampling_is_seeded(pair):
     _, lean = pair
     s = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)
-    a = list(generate_tokens(lean, [4, 5, 6], 25, s, generator=make_generator(7)))
-    b = list(generate_tokens(lean, [4, 5, 6], 25, s, generator=make_generator(7)))
-    c = list(generate_tokens(lean, [4, 5, 6], 25, s, generator=make_generator(8)))
+    a = list(generate_tokens(lean, [4, 5, 6], 25, s, generator=make_generator(7, lean.device)))
+    b = list(generate_tokens(lean, [4, 5, 6], 25, s, generator=make_generator(7, lean.device)))
+    c = list(generate_tokens(lean, [4, 5, 6], 25, s, generator=make_generator(8, lean.device)))
     assert a == b and a != c
 
 
