@@ -33,11 +33,6 @@ def machine_info(dtype: str, command: str, device: str | torch.device = "cpu") -
     return info
 
 
-def atomic_write(path: str | Path, text: str) -> None:
-    """Write via a temp file in the same folder and os.replace, so readers never see half a file."""
-    write_text(path, text)
-
-
 def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -102,7 +97,7 @@ def markdown(doc: dict) -> str:
 def write_outputs(doc: dict, json_path: str | Path | None, report_dir: str | Path | None) -> None:
     text = json.dumps(doc, indent=2) + "\n"
     if json_path:
-        atomic_write(json_path, text)
+        write_text(json_path, text)
     if report_dir:
-        atomic_write(Path(report_dir) / "bench.json", text)
-        atomic_write(Path(report_dir) / "report.md", markdown(doc))
+        write_text(Path(report_dir) / "bench.json", text)
+        write_text(Path(report_dir) / "report.md", markdown(doc))

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from polybasic.artifacts import announce, clean_and_announce, write_json
+from polybasic.artifacts import announce, clean_and_announce, write_json, write_text
 from polybasic.data import DEFAULT_DATA, DataSource
 from polybasic.drafters.data import (DistillDataset, Sample, compute_features, load_feature_shard,
                                      load_pairs, reference_samples, save_feature_shard, self_distill,
@@ -31,7 +31,7 @@ from polybasic.drafters.data import (DistillDataset, Sample, compute_features, l
 from polybasic.drafters.head import DrafterConfig
 from polybasic.drafters.module import TrainConfig, fit
 from polybasic.errors import ConfigError, check
-from polybasic.pipelines.serde import atomic_write_text, from_dict
+from polybasic.pipelines.serde import from_dict
 from polybasic.runtime.sampling import SamplingConfig
 
 DRAFTERS = ("target", "quantized")
@@ -117,7 +117,7 @@ def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list
                            shard_dir=shards)
     if sec.references:
         samples += reference_samples(lm.tokenizer, pairs, sec.max_prompt_tokens + sec.max_new_tokens)
-    atomic_write_text(path, "".join(json.dumps({"tokens": s.tokens, "n_prompt": s.n_prompt}) + "\n"
+    write_text(path, "".join(json.dumps({"tokens": s.tokens, "n_prompt": s.n_prompt}) + "\n"
                                     for s in samples))
     return samples
 

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from polybasic.data import DataSource, Example, read_examples
-from polybasic.artifacts import announce, clean_and_announce
+from polybasic.artifacts import announce, clean_and_announce, write_text
 from polybasic.errors import ConfigError
-from polybasic.pipelines.recipe import Recipe, atomic_write_text, dump_recipe, to_dict
+from polybasic.pipelines.recipe import Recipe, dump_recipe, to_dict
 from polybasic.quant.calibrate import build_quantized_model, calibrate, parse_scheme
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
                 ppl, agree, _ = evaluate(qm, eval_tok, fp_argmax)
                 row = {"scheme": f"w{w}a{a}", "group_size": g, "ppl": ppl,
                        "top1_agree": agree, "calib_s": round(t_cal, 1)}
-                atomic_write_text(done, json.dumps(row))
+                write_text(done, json.dumps(row))
         row = {**row, "method": method}
         rows[key] = row
         log.info("w%da%d-g%d %s: ppl %.3f agree %.4f", w, a, g, method, row["ppl"], row["top1_agree"])
@@ -181,8 +181,8 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
             report = {**base, **_save_and_time(fp, res, recipe, out, row, eval_tok, fp_argmax)}
         report.update(rows=[rows[k] for k in keys if k in rows], done_cells=f"{len(rows)}/{len(set(keys) | {main_key})}",
                       wall_s=round(time.perf_counter() - t_start, 1))
-        atomic_write_text(out / "report.json", json.dumps(report, indent=2))
-        atomic_write_text(out / "report.md", render_report(report))
+        write_text(out / "report.json", json.dumps(report, indent=2))
+        write_text(out / "report.md", render_report(report))
     return report
 
 
@@ -226,7 +226,7 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
             ic = QuantConfig(w_bits=bits, a_bits=bits, group_size=-1, kernel="int8mm")
             models[f"{ic.name} int8mm (fp32, real {bits}-bit activations)"] = quantize_(copy.deepcopy(fp), ic)
         lat = latency(models, q.latency_tokens, q.latency_context, q.latency_reps)
-        atomic_write_text(cached, json.dumps(lat))
+        write_text(cached, json.dumps(lat))
     return {"latency_ms": lat, "main": {"scheme": qconf.name, "method": cal.method, "kernel": q.kernel,
                                         "dtype": q.exec_dtype, "lm_head_quantized": q.quantize_lm_head,
                                         "ppl": row["ppl"], "top1_agree": row["top1_agree"],

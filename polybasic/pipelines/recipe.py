@@ -14,11 +14,11 @@ from polybasic.errors import ConfigError, check
 from polybasic.pipelines.distill import DistillSection
 from polybasic.pipelines.sections import BenchSection, ExportSection, PlanSection, ProfileSection
 from polybasic.pipelines.stages import NAMES
-from polybasic.pipelines.serde import atomic_write_text, dump_recipe, from_dict, load_yaml, to_dict
+from polybasic.pipelines.serde import dump_recipe, from_dict, load_yaml, to_dict
 from polybasic.quant.calibrate import CalibrationConfig
 
 __all__ = ["Recipe", "RecipeHeader", "ModelSection", "QuantizeSection", "DistillSection", "load_recipe",
-           "from_dict", "to_dict", "load_yaml", "atomic_write_text", "dump_recipe"]
+           "from_dict", "to_dict", "load_yaml", "dump_recipe"]
 
 RECIPE_VERSION = 1
 

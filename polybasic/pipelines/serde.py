@@ -87,10 +87,6 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write via a temp file and os.replace (polybasic.artifacts): never a half-written file."""
-    write_text(path, text)
-
 
 def dump_recipe(obj, path: str | Path) -> None:
-    atomic_write_text(path, yaml.safe_dump(to_dict(obj), sort_keys=False))
+    write_text(path, yaml.safe_dump(to_dict(obj), sort_keys=False))

@@ -3,7 +3,8 @@ import json
 import os
 
 from polybasic.bench.cli import build_document
-from polybasic.bench.report import atomic_write, machine_info, markdown, text_table, write_outputs
+from polybasic.artifacts import write_text
+from polybasic.bench.report import machine_info, markdown, text_table, write_outputs
 from polybasic.bench.runner import Record
 
 
@@ -36,8 +37,8 @@ def test_tables_show_methods_and_command():
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
     p = tmp_path / "sub" / "out.json"
-    atomic_write(p, "one")
-    atomic_write(p, "two")
+    write_text(p, "one")
+    write_text(p, "two")
     assert p.read_text() == "two" and os.listdir(p.parent) == ["out.json"]
     umask = os.umask(0)
     os.umask(umask)
