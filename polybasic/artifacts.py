@@ -56,6 +56,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     _remove(tmp)
     try:
         yield tmp
+        if tmp.is_file():  # some writers (safetensors) create 0600 files; give the umask's usual mode
+            os.chmod(tmp, 0o666 & ~_umask())
         fault_point("write")
         fault_point(f"write/{path.name}")
         try:
@@ -67,6 +69,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | Path, text: str) -> None:

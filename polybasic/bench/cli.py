@@ -11,17 +11,20 @@ from polybasic.errors import ConfigError
 DEFAULT_METHODS = "vanilla,hf,hf-pld,pld"
 BUNDLE_METHODS = "vanilla,chain"
 MODEL_DEFAULT = "smollm2-135m"
-METHOD_NAMES = ("vanilla", "vanilla-compiled", "vanilla-compiled-dense", "hf", "hf-pld", "pld", "chain:SPEC",
-                "chain")
+METHOD_NAMES = ("vanilla", "vanilla:DTYPE", "vanilla-compiled", "vanilla-compiled:DTYPE", "vanilla-compiled-dense",
+                "vanilla-compiled-dense:DTYPE", "hf", "hf-pld",
+                "hf-assisted:SOURCE[@DTYPE]", "pld", "chain:SPEC", "chain")
 
 
 def add_parser(sub) -> None:
     from polybasic.runtime.chainspec import CHAIN_HELP
 
     p = sub.add_parser("bench", help="Spec-Bench speed benchmark (tokens/s, speedup, tau)",
-                       description=f"{__doc__}\nMethods: {', '.join(METHOD_NAMES)}; chain:SPEC runs a chain "
-                                   f"spelled as for `generate --chain`; chain alone runs the --bundle's chain."
-                                   f"\n\n{CHAIN_HELP}")
+                       description=f"{__doc__}\nMethods: {', '.join(METHOD_NAMES)}; vanilla:DTYPE runs our "
+                                   f"decoder on the target loaded again in DTYPE; hf-assisted:SOURCE[@DTYPE] runs "
+                                   f"transformers assisted generation with that assistant (same tokenizer as the "
+                                   f"target; DTYPE defaults to --dtype); chain:SPEC runs a chain spelled as for "
+                                   f"`generate --chain`; chain alone runs the --bundle's chain.\n\n{CHAIN_HELP}")
     p.add_argument("--bundle", default=None, metavar="PATH|HUB_ID",
                    help="a chain bundle: its target is the model, and method `chain` (no spec) runs its chain "
                         "with its k and thresholds, printing the planned (predicted) speedup beside the "
@@ -119,7 +122,11 @@ def _validate(a: argparse.Namespace):
         raise ConfigError(f"report: {a.report} is a file; pass a folder path")
     cats = [c.strip() for c in a.categories.split(",") if c.strip()] if a.categories else None
     questions = select(load_questions(a.questions), a.per_category, cats)
-    check_source(a.model, "--model")
+    if check_source(a.model, "--model") == "quantized":
+        again = [m for m in methods if m.startswith("vanilla") and ":" in m]
+        if again:
+            raise ConfigError(f"methods: '{again[0]}' loads the target again in another dtype, but a quantized "
+                              "copy runs in the dtype it was saved with; drop it")
     return methods, sampling, questions
 
 
@@ -166,20 +173,21 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
     """Benchmark `methods` on the loaded target `lm` (and a loaded bundle); writes --json / --report,
     prints the table; returns the document."""
     from polybasic.bench.methods import BenchContext, make_runner
-    from polybasic.bench.report import machine_info, text_table, write_outputs
+    from polybasic.bench.report import machine_info, peak_rss_mib, text_table, write_outputs
     from polybasic.bench.runner import run_all
     from polybasic.models import load_hf_model
     from polybasic.runtime.text import encode_prompt, eos_ids
 
     prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
-                       a.draft_tokens, source=a.model, adaptive_k=a.adaptive_k,
+                       a.draft_tokens, source=a.model, dtype=a.dtype, adaptive_k=a.adaptive_k,
                        max_prompt_tokens=max(len(p) for *_, p in prompts), gguf=lm.gguf_file,
                        hf_loader=lambda: load_hf_model(a.model, a.dtype, lm.model.device), bundle=bundle)
     runners = {m: make_runner(m, ctx) for m in methods}
     records = run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress)
     predicted = {"chain": bundle.predicted_speedup} if bundle else {}
     machine = machine_info(a.dtype, _command_line(a), lm.model.device)  # names the GPU on CUDA
+    machine["peak_rss_mib"] = peak_rss_mib()  # the whole process, every method's models loaded
     doc = build_document(records, sampling.greedy, machine, predicted, {
         "model": a.model, "bundle": a.bundle, "questions": a.questions or "default Spec-Bench", "prompts": len(prompts),
         "categories": list(dict.fromkeys(q.category for q in questions)),
@@ -197,8 +205,9 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
 def build_document(records, greedy: bool, machine: dict, predicted: dict, config: dict) -> dict:
     """The --json document: machine, methods (the contract's schema), plus config and per-prompt rows.
     predicted: {method: the plan's predicted speedup} (a bundle's chain)."""
-    from polybasic.bench.runner import summarize
+    from polybasic.bench.runner import fastest_vanilla, summarize
 
     rows = [{k: v for k, v in r.__dict__.items() if k != "tokens"} for r in records]
-    return {"machine": machine, "methods": summarize(records, greedy, predicted), "config": config,
-            "records": rows}
+    methods = summarize(records, greedy, predicted)
+    return {"machine": machine, "methods": methods, "fastest_vanilla": fastest_vanilla(methods),
+            "config": config, "records": rows}

@@ -3,7 +3,8 @@
 A runner takes prompt ids and a seed and returns the new token ids with the wall time measured the
 same way for every method: from prompt ids in hand to the last new token (prefill included). Add a
 method with `@register("name")` on a factory `(ctx, arg) -> Runner`; a name may carry an argument
-after a colon (`chain:target+quant+head` calls the `chain` factory with arg "target+quant+head").
+after a colon (`chain:target+quant+head` calls the `chain` factory with arg "target+quant+head"),
+declared with `register(name, MethodArg(...))`, whose cheap check runs before any model loads.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Output:
     wall_s: float
     tau: float | None = None  # new tokens per target forward (chain methods)
     accepted: list[int] | None = None  # chain methods: the bottom link's accepted drafts per verification
+    links: dict[str, list[int]] | None = None  # chain methods: every link's, by name 'verifier<-drafter'
 
 
 Runner = Callable[[list[int], int], Output]  # (prompt_ids, seed) -> Output
@@ -40,10 +42,12 @@ class BenchContext:
     draft_tokens: int = 8  # k of the n-gram / prompt-lookup drafters
     adaptive_k: bool = False  # chains adapt the bottom draft length (Chain.adaptive_k)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
+    dtype: str = "float32"  # the target's dtype (--dtype): hf-assisted's assistant defaults to it
     max_prompt_tokens: int = 0  # the longest prompt of the run (compiled runners size caches once)
     gguf: Path | None = None  # the GGUF the target was expanded from (compiled steps read its codes)
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
     bundle: object = None  # a runtime.bundle.BundleDecoder: method `chain` runs its chain
+    levels: dict = field(default_factory=dict)  # chain levels by spelling, shared by the chain:SPEC methods
     _hf: object = field(default=None, repr=False)
 
     def hf_model(self):
@@ -54,21 +58,31 @@ class BenchContext:
         return self._hf
 
 
+@dataclass(frozen=True)
+class MethodArg:
+    """The `name:ARG` argument a method takes: its spelling in help texts, whether the method needs
+    one, and a cheap check (no torch, no model load) raising ConfigError that starts with `field`."""
+    form: str  # e.g. "DTYPE"
+    required: bool = False
+    check: Callable[[str, str], None] = lambda arg, field: None  # (arg, field) -> None
+
+
 METHODS: dict[str, Callable[[BenchContext, str | None], Runner]] = {}
-TAKES_ARG: set[str] = set()  # methods that accept `name:arg`
+ARGS: dict[str, MethodArg] = {}  # methods that accept `name:arg`
 
 
-def register(name: str, takes_arg: bool = False):
+def register(name: str, arg: MethodArg | None = None):
     def deco(factory):
         METHODS[name] = factory
-        if takes_arg:
-            TAKES_ARG.add(name)
+        if arg is not None:
+            ARGS[name] = arg
         return factory
     return deco
 
 
 def parse_methods(spec: str) -> list[str]:
-    """'vanilla,hf,pld' -> names, checked against the registry; vanilla always first (the reference)."""
+    """'vanilla,hf,pld' -> names, checked against the registry with their arguments (before any model
+    loads); vanilla always first (the reference)."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n.split(":", 1)[0] not in METHODS]
     if unknown:
@@ -77,10 +91,20 @@ def parse_methods(spec: str) -> list[str]:
         raise ConfigError(f"methods: '{spec}' names a method twice; list each once")
     for n in names:
         base, colon, arg = n.partition(":")
-        if colon and (base not in TAKES_ARG or not arg):
-            raise ConfigError(f"methods: '{n}': " + (f"empty argument after '{base}:'" if base in TAKES_ARG
+        if colon and (base not in ARGS or not arg):
+            raise ConfigError(f"methods: '{n}': " + (f"empty argument after '{base}:'" if base in ARGS
                                                     else f"'{base}' takes no ':' argument"))
+        if base in ARGS and ARGS[base].required and not colon:
+            raise ConfigError(f"methods: '{n}' needs an argument; spell it {base}:{ARGS[base].form}")
+        if arg:
+            ARGS[base].check(arg, f"methods: '{n}'")
     return ["vanilla"] + [n for n in names if n != "vanilla"]
+
+
+def split_source_dtype(text: str) -> tuple[str, str | None]:
+    """'SOURCE@DTYPE' -> (SOURCE, DTYPE); no '@' (or a '/' after it, a path) -> (text, None)."""
+    source, at, dtype = text.rpartition("@")
+    return (text, None) if not at or "/" in dtype else (source, dtype)
 
 
 def make_runner(name: str, ctx: BenchContext) -> Runner:
@@ -99,36 +123,55 @@ def _generate_runner(ctx: BenchContext, model) -> Runner:
     return run
 
 
-@register("vanilla")
+def _check_dtype_arg(arg: str, field: str) -> None:
+    from polybasic.models.preflight import check_dtype
+
+    check_dtype(arg, field)
+
+
+@register("vanilla", MethodArg("DTYPE", check=_check_dtype_arg))
 def _vanilla(ctx: BenchContext, arg: str | None) -> Runner:
-    """Our lean decoder, one token per forward."""
-    return _generate_runner(ctx, ctx.model)
+    """Our lean decoder, one token per forward: on the target (the reference), or with vanilla:DTYPE
+    on the target loaded again in DTYPE (a second copy in memory)."""
+    return _generate_runner(ctx, ctx.model if arg is None else _target_in(ctx, arg, "vanilla"))
 
 
-def _compiled_runner(ctx: BenchContext, gguf: Path | None) -> Runner:
-    import copy
+def _target_in(ctx: BenchContext, dtype: str | None, method: str):
+    """A separate copy of the target: in `dtype` loaded again from its source, or a deep copy."""
+    if dtype is None:
+        import copy
 
+        return copy.deepcopy(ctx.model)
+    from polybasic.models import load_model
+
+    if not ctx.source:
+        raise ConfigError(f"methods: '{method}:{dtype}' loads the target again; pass --model")
+    return load_model(ctx.source, dtype, ctx.model.device).model
+
+
+def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, method: str) -> Runner:
     from polybasic.models.prepare import compile_for_device
 
-    model = copy.deepcopy(ctx.model)
-    compile_for_device(model, gguf, "--methods vanilla-compiled")
+    model = _target_in(ctx, dtype, method)
+    compile_for_device(model, gguf, f"--methods {method}")
     if ctx.max_prompt_tokens:
         model.setup_caches(min(model.args.max_seq_len, ctx.max_prompt_tokens + ctx.max_new_tokens))
     return _generate_runner(ctx, model)
 
 
-@register("vanilla-compiled")
+@register("vanilla-compiled", MethodArg("DTYPE", check=_check_dtype_arg))
 def _vanilla_compiled(ctx: BenchContext, arg: str | None) -> Runner:
-    """Our lean decoder with its one-token step torch.compiled (a separate copy of the target; it
-    compiles during warm-up, with caches sized once for the longest prompt of the run). With a GGUF
-    source, the step reads the file's block codes, expanded in registers to the same fp32 weights."""
-    return _compiled_runner(ctx, ctx.gguf)
+    """Our lean decoder with its one-token step torch.compiled (a separate copy of the target, in
+    DTYPE with vanilla-compiled:DTYPE; it compiles during warm-up, with caches sized once for the
+    longest prompt of the run). With a GGUF source and fp32 weights, the step reads the file's block
+    codes, expanded in registers to the same fp32 weights (other dtypes read their dense weights)."""
+    return _compiled_runner(ctx, ctx.gguf, arg, "vanilla-compiled")
 
 
-@register("vanilla-compiled-dense")
+@register("vanilla-compiled-dense", MethodArg("DTYPE", check=_check_dtype_arg))
 def _vanilla_compiled_dense(ctx: BenchContext, arg: str | None) -> Runner:
-    """As vanilla-compiled, reading the expanded fp32 weights (4 bytes per weight)."""
-    return _compiled_runner(ctx, None)
+    """As vanilla-compiled, reading the expanded weights (4 bytes per weight in fp32)."""
+    return _compiled_runner(ctx, None, arg, "vanilla-compiled-dense")
 
 
 def _hf_runner(ctx: BenchContext, **extra) -> Runner:
@@ -171,6 +214,29 @@ def _hf_pld(ctx: BenchContext, arg: str | None) -> Runner:
     return _hf_runner(ctx, prompt_lookup_num_tokens=ctx.draft_tokens, max_matching_ngram_size=3)
 
 
+def _check_assistant(arg: str, field: str) -> None:
+    from polybasic.models.preflight import check_dtype, check_source
+
+    source, dtype = split_source_dtype(arg)
+    if dtype is not None:
+        check_dtype(dtype, field)
+    if check_source(source, field) == "quantized":
+        raise ConfigError(f"{field}: a quantized copy has no transformers model; pass a short name, .gguf "
+                          "file, Hugging Face folder or Hub id")
+
+
+@register("hf-assisted", MethodArg("SOURCE[@DTYPE]", required=True, check=_check_assistant))
+def _hf_assisted(ctx: BenchContext, arg: str | None) -> Runner:
+    """transformers assisted generation (`generate(assistant_model=...)`) with the assistant SOURCE
+    (any source --model accepts) in DTYPE (default: the target's --dtype). The assistant must share
+    the target's tokenizer; only transformers' own checks apply."""
+    from polybasic.models import load_hf_model
+
+    source, dtype = split_source_dtype(arg)
+    hf = ctx.hf_model()
+    return _hf_runner(ctx, assistant_model=load_hf_model(source, dtype or ctx.dtype, hf.device))
+
+
 def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds: list[int] | None = None,
                   k: int | None = None, adaptive_k: bool | None = None) -> Runner:
     from polybasic.runtime.chain import Chain
@@ -182,8 +248,9 @@ def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds
                           adaptive_k=ctx.adaptive_k if adaptive_k is None else adaptive_k)
             tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
                                            generator=gen)
+        links = {f"{ln.verifier}<-{ln.drafter}": list(ln.accepted) for ln in stats.links}
         return Output(list(tokens), t.seconds, float(stats.tau) if stats.tau is not None else None,
-                      list(stats.links[-1].accepted))
+                      list(stats.links[-1].accepted), links)
     return run
 
 
@@ -196,7 +263,7 @@ def _pld(ctx: BenchContext, arg: str | None) -> Runner:
                                        NGramLevel(max_ngram=3, min_ngram=1, name="ngram")])
 
 
-@register("chain", takes_arg=True)
+@register("chain", MethodArg("SPEC"))
 def _chain(ctx: BenchContext, arg: str | None) -> Runner:
     """A chain spelled out below the target, e.g. chain:target+target@bfloat16+ngram
     (see polybasic.runtime.spec), or with no spec the bundle's chain with its k and thresholds.
@@ -212,5 +279,5 @@ def _chain(ctx: BenchContext, arg: str | None) -> Runner:
     from polybasic.runtime.spec import parse_chain
 
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
-    levels = parse_chain(arg, target, flag=f"--methods chain:{arg}")
+    levels = parse_chain(arg, target, flag=f"--methods chain:{arg}", cache=ctx.levels)
     return _chain_runner(ctx, lambda: levels)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -33,14 +34,31 @@ def machine_info(dtype: str, command: str, device: str | torch.device = "cpu") -
     return info
 
 
+def peak_rss_mib() -> float | None:
+    """The peak resident memory of this process so far, in MiB (None where `resource` is missing)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / 1024 / (1024 if sys.platform == "darwin" else 1)
+
+
 def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _links(links: dict[str, float | None] | None) -> str:
+    """'target<-a 3.10, a<-ngram 1.80': every link's mean accepted length."""
+    return ", ".join(f"{n} {_f(v, '.2f')}" for n, v in links.items()) if links else "-"
+
+
 def _rows(doc: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["method", "tokens/s", "speedup", "median", "tau", "accept", "identical", "predicted"]
+    head = ["method", "tokens/s", "speedup", "vs fastest", "median", "tau", "accept", "links", "identical",
+            "predicted"]
     rows = [[m, _f(v["tokens_per_s"], ".2f"), _f(v["speedup"], ".2f") + "x",
-             _f(v.get("median_speedup"), ".2f") + "x", _f(v["tau"], ".2f"), _f(v.get("accept_len"), ".2f"),
+             _f(v.get("speedup_vs_fastest_vanilla"), ".2f") + "x", _f(v.get("median_speedup"), ".2f") + "x",
+             _f(v["tau"], ".2f"), _f(v.get("accept_len"), ".2f"), _links(v.get("links")),
              v["identical_to_vanilla"] or "n/a", _f(v["predicted_speedup"], ".2f")]
             for m, v in doc["methods"].items()]
     return head, rows
@@ -74,21 +92,37 @@ def text_table(doc: dict) -> str:
     return _plain(*_rows(doc)) + "\n\n" + _plain(*_cat_rows(doc))
 
 
+def _fastest_sentence(doc: dict) -> list[str]:
+    name = doc.get("fastest_vanilla")
+    if not name:
+        return []
+    return [f"Fastest vanilla decoder of this run: {name} ({doc['methods'][name]['tokens_per_s']:.2f} tokens/s); "
+            "vs fastest = a method's tokens/s / its tokens/s.", ""]
+
+
 def markdown(doc: dict) -> str:
     m, c = doc["machine"], doc.get("config", {})
+    rss = m.get("peak_rss_mib")
     parts = [
         "# polybasic bench (Spec-Bench)", "",
         f"Command: `{m['command']}`", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, "
         f"transformers {m['transformers']}, dtype {m['dtype']}"
         + (f", GPU {m['gpu']} (CUDA {m.get('cuda')})" if m.get("gpu") else "") + ".", "",
+        *([f"Peak RSS: {rss:.0f} MiB, of the whole process (every method's models loaded together), "
+           "not of one method.", ""] if rss is not None else []),
         f"Model {c.get('model')}, {c.get('prompts')} prompts, max {c.get('max_new_tokens')} new tokens, "
         f"temperature {c.get('temperature')}, seed {c.get('seed')}, warm-up {c.get('warmup')}.", "",
         "tokens/s = total new tokens / total wall time (prefill included); speedup against vanilla "
-        "(our decoder) on the same prompts; median = median over prompts of the per-prompt speedup "
-        "(robust to machine noise); tau = new tokens per target forward; accept = the bottom drafter's "
-        "mean accepted length per verification by the level above (accepted drafts + 1); identical = prompts "
-        "whose tokens equal vanilla's (greedy only).", "",
+        "(our decoder on the target in its dtype) on the same prompts; vs fastest = against the fastest "
+        "vanilla decoder of the run (vanilla, vanilla:DTYPE, vanilla-compiled...); median = median over "
+        "prompts of the per-prompt speedup (robust to machine noise); tau = new tokens per target forward; "
+        "accept = the bottom drafter's mean accepted length per verification by the level above (accepted "
+        "drafts + 1); links = that length for every link of a chain (verifier<-drafter); identical = prompts "
+        "whose tokens equal vanilla's (greedy only). Methods that run the target in another dtype "
+        "(vanilla:DTYPE) or with other numerics (transformers, compiled steps) are not expected to be "
+        "identical: a different kernel or rounding can flip a near-tie.", "",
+        *_fastest_sentence(doc),
         _md(*_rows(doc)), "", "## Per category", "", _md(*_cat_rows(doc)), "",
     ]
     return "\n".join(parts)

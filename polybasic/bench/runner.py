@@ -4,6 +4,8 @@ Aggregates follow Spec-Bench: tokens/s = total new tokens / total wall time over
 group; speedup = a method's tokens/s / vanilla's tokens/s on the same prompts; tau = total new
 tokens / total target forwards (chain methods only). median_speedup, the median over prompts of
 the per-prompt speedup, is added because a shared machine's noise can swamp the totals.
+speedup_vs_fastest_vanilla divides by the fastest of the run's vanilla decoders (vanilla,
+vanilla:DTYPE, vanilla-compiled...) instead of the reference.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from polybasic.bench.methods import Output, Runner
 
 REFERENCE = "vanilla"
+VANILLA_PREFIXES = ("vanilla:", "vanilla-compiled")  # with REFERENCE: the plain decoders
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Record:
     tau: float | None
     tokens: list[int]
     accepted: list[int] | None = None  # bottom link: accepted drafts per verification (chains)
+    links: dict[str, list[int]] | None = None  # every link's, by name 'verifier<-drafter' (chains)
 
 
 def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, list[int]]],
@@ -53,7 +57,7 @@ def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, lis
                 bar.set_postfix_str(f"{cat} {name}")
                 out: Output = runners[name](ids, seed + i)
                 records.append(Record(name, qid, cat, len(ids), len(out.tokens), out.wall_s, out.tau,
-                                      list(out.tokens), out.accepted))
+                                      list(out.tokens), out.accepted, out.links))
                 bar.update()
     finally:
         bar.close()
@@ -79,7 +83,8 @@ def _group(records: list[Record], reference: dict, greedy: bool) -> dict:
 
 def summarize(records: list[Record], greedy: bool, predicted: dict[str, float | None] | None = None
               ) -> dict[str, dict]:
-    """{method: {tokens_per_s, speedup, tau, identical_to_vanilla, predicted_speedup, per_category}}."""
+    """{method: {tokens_per_s, speedup, speedup_vs_fastest_vanilla, tau, accept_len, links,
+    identical_to_vanilla, predicted_speedup, per_category}}."""
     ref = {(r.question_id, r.category): r for r in records if r.method == REFERENCE}
     methods = list(dict.fromkeys(r.method for r in records))
     cats = list(dict.fromkeys(r.category for r in records))
@@ -93,13 +98,35 @@ def summarize(records: list[Record], greedy: bool, predicted: dict[str, float | 
         g["speedup"] = _ratio(g["tokens_per_s"], base["tokens_per_s"])
         g["median_speedup"] = _median_speedup(mine, ref)
         g["predicted_speedup"] = (predicted or {}).get(m)
+        g["links"] = _link_lengths(mine)
         g["per_category"] = {}
         for c in cats:
             gc = _group([r for r in mine if r.category == c], ref, greedy)
             gc["speedup"] = _ratio(gc["tokens_per_s"], base_cat[c]["tokens_per_s"])
             g["per_category"][c] = gc
         out[m] = g
+    fastest = out[fastest_vanilla(out)]["tokens_per_s"] if fastest_vanilla(out) else 0.0
+    for g in out.values():
+        g["speedup_vs_fastest_vanilla"] = _ratio(g["tokens_per_s"], fastest)
     return out
+
+
+def is_vanilla(method: str) -> bool:
+    return method == REFERENCE or method.startswith(VANILLA_PREFIXES)
+
+
+def fastest_vanilla(summary: dict[str, dict]) -> str | None:
+    """The vanilla decoder of a summary with the most tokens/s (None if it has none)."""
+    return max((m for m in summary if is_vanilla(m)), key=lambda m: summary[m]["tokens_per_s"], default=None)
+
+
+def _link_lengths(records: list[Record]) -> dict[str, float | None] | None:
+    """{link: mean accepted length (accepted drafts + 1) pooled over verifications}; None if no chain."""
+    pooled: dict[str, list[int]] = {}
+    for r in records:
+        for name, acc in (r.links or {}).items():
+            pooled.setdefault(name, []).extend(acc)
+    return {n: 1 + sum(a) / len(a) if a else None for n, a in pooled.items()} or None
 
 
 def _median_speedup(records: list[Record], ref: dict) -> float | None:

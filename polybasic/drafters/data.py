@@ -164,8 +164,8 @@ def reference_samples(tokenizer, pairs: list[tuple[str, str | None]], max_len: i
 
 @torch.inference_mode()
 def compute_features(model, samples: list[Sample], batch_tokens: int = 4096, progress: bool = False,
-                     desc: str = "features") -> list[Tensor]:
-    """The base's last hidden states [len, E] (bf16, CPU) for every sample, by right-padded
+                     desc: str = "features", dtype: torch.dtype = torch.bfloat16) -> list[Tensor]:
+    """The base's last hidden states [len, E] (in `dtype`, CPU) for every sample, by right-padded
     batched prefills of about `batch_tokens` tokens (padding sits after each sequence, so under
     causal attention it changes nothing before it)."""
     from tqdm import tqdm
@@ -187,7 +187,7 @@ def compute_features(model, samples: list[Sample], batch_tokens: int = 4096, pro
         model.setup_caches(t, len(idx))
         _, hidden = model(tokens.to(model.device), 0)  # [B, T, E]
         for r, k in enumerate(idx):
-            feats[k] = hidden[r, :lengths[k]].to("cpu", torch.bfloat16).clone()
+            feats[k] = hidden[r, :lengths[k]].to("cpu", dtype).clone()
         bar.update(sum(lengths[k] for k in idx))
         i = j
     bar.close()

@@ -1,15 +1,30 @@
-"""EAGLE-style drafter head (Li et al. 2024), written for the lean decoder.
+"""EAGLE-style drafter head (after Li et al. 2024, EAGLE-1 and EAGLE-3), written for the lean decoder.
 
-Row p of the head reads the embedding of token x_{p+1} and the base model's feature f_p (last
-hidden state before the final norm), fuses them with a linear layer (2E -> E), runs decoder
-blocks at position p (one, as in EAGLE; `n_layers` sets more) and predicts the next feature
-f_{p+1}. Two options (on by default) make it learn faster on small models whose features carry a
-few huge outlier dimensions (SmolLM2: rms ~30, some dims ~1000): RMS-normalised inputs to the fuse
-layer (as EAGLE-3 does), and a residual path that carries f_p itself into the blocks, so the head
-starts from "f_{p+1} = f_p" with the outliers in place and learns the change. The base model's
-FROZEN final norm and LM head turn it into logits for x_{p+2}. Embedding, norm and LM head are the
-base model's, shared and never saved in the head's checkpoint. At inference the head runs
-autoregressively on its own predicted features.
+Row p of the head reads the embedding of token x_{p+1} and the base model's feature f_p, fuses
+them with a linear layer (2E -> E), runs decoder blocks at position p (one, as in EAGLE-1;
+`n_layers` sets more) and predicts the next feature f_{p+1}. The base's FROZEN final norm and LM
+head turn a predicted feature into logits for x_{p+2}. At inference the head runs autoregressively
+on its own predicted features. Embedding, final norm and LM head are the base model's, shared and
+never saved in the head's checkpoint.
+
+What we do, and how it differs from EAGLE:
+- The feature f_p is the base's last decoder layer output BEFORE its final norm (what
+  `Transformer.forward` returns). EAGLE-1 reads and predicts the state AFTER the final norm (the
+  LM head's input) and applies the LM head to it directly; here the head predicts the pre-norm
+  state and the base's final norm is applied on the way to the logits. EAGLE-3 reads a fusion of
+  low, middle and high layer features and predicts no feature to be regressed at all.
+- What the predicted feature is trained against is `module.TrainConfig.regress`: "prenorm"
+  (default; our pre-norm feature, both sides divided by the base feature's RMS per token: not
+  EAGLE-1's target), "postnorm" (the base's final norm applied to both sides: EAGLE-1's target)
+  or "none" (no regression, the token loss only: EAGLE-3).
+- Two options, on by default, make it learn faster on small models whose features carry a few
+  huge outlier dimensions (SmolLM2: rms ~30, some dims ~1000): `input_norms`, RMS-normalised
+  embedding and feature before the fuse layer (EAGLE-3 normalises both before concatenating;
+  EAGLE-1 does not), and `feature_residual`, a path that adds f_p itself to the fuse layer's
+  output, so the head starts from "f_{p+1} = f_p" with the outliers in place and learns the
+  change (in neither EAGLE; it may bias the head towards repeating the last state).
+- Optional reduced draft vocabulary (`draft_vocab_size`, EAGLE-3): the head's logits cover only
+  the most frequent answer tokens of its training data.
 
 Shapes: B batch, M rows in this call, E model dim, V vocabulary.
 """
@@ -65,6 +80,8 @@ class DrafterConfig(BlockShape):
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
+        """A saved config; keys it lacks take the defaults above (every version-2 head without a
+        key was trained with that default, e.g. feature_residual=True)."""
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigError(f"DrafterConfig: unknown fields {sorted(unknown)}; the checkpoint was written "

@@ -1,13 +1,21 @@
 """Training the EAGLE head: a LightningModule, its config and the Trainer factory.
 
-Loss (EAGLE): v_weight * smooth-L1(predicted feature, base feature) + p_weight * cross-entropy of
-the head's logits against the base's next-token distribution (soft targets), on answer tokens.
+Loss: v_weight * smooth-L1(predicted feature, base feature) + p_weight * cross-entropy of the
+head's logits against the base's next-token distribution (soft targets), on answer tokens (and on
+prompt tokens with prompt_loss). What the regression compares is `regress`:
+  prenorm   (default) the base's last hidden state BEFORE its final norm, which is what the head
+            outputs and reads back while drafting; both sides divided by the base feature's RMS
+            per token (below).
+  postnorm  the final norm's output, base.norm(pred) vs base.norm(true): the LM head's input, the
+            state EAGLE-1 regresses. It only constrains what the logits see (the direction, per
+            norm weight), not the scale of the pre-norm feature the next draft step reads.
+  none      no regression term, the token loss only (EAGLE-3).
 With ttt_steps = K > 1 (training-time test, EAGLE-3) the head also drafts K-1 steps further on its
 own predictions, attending as the drafting loop does (`EagleHead.unroll`), and step j's losses
 count with weight ttt_decay**(j-1) (normalised): the later draft steps learn from the inputs they
 will really see.
-Both feature sides are divided by the base feature's RMS per token, so the regression has the
-same scale whatever the base (SmolLM2's raw features have RMS ~30). The head may read the base's
+With prenorm both feature sides are divided by the base feature's RMS per token, so the regression
+has the same scale whatever the base (SmolLM2's raw features have RMS ~30). The head may read the base's
 features plus uniform noise (EAGLE), scaled the same way. Features come from the batch (cached
 shards) or from a base forward per step. The base model is frozen and deliberately
 NOT a registered submodule: it is not checkpointed, not wrapped by DDP, never broadcast.
@@ -28,6 +36,7 @@ from polybasic.errors import ConfigError, check
 
 TRAIN_VERSION = 1
 STRATEGIES = ("auto", "ddp", "deepspeed_stage_2")
+REGRESS = ("prenorm", "postnorm", "none")  # see the module docstring
 
 
 @dataclass
@@ -37,6 +46,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     v_weight: float = 1.0
     p_weight: float = 1.0
+    regress: str = "prenorm"  # the feature regression's target: prenorm | postnorm | none (module docstring)
     noise_std: float = 0.0  # uniform feature noise of this width, times the feature's RMS
     ttt_steps: int = 1  # > 1: training-time test (EAGLE-3), the head also learns from its own drafts
     ttt_decay: float = 0.8  # loss weight of step j is ttt_decay**(j-1), normalised to sum to 1
@@ -59,6 +69,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check(self.strategy in STRATEGIES, "strategy", f"is {self.strategy!r}",
               f"use one of {', '.join(STRATEGIES)}")
+        check(self.regress in REGRESS, "distill.train.regress", f"is {self.regress!r}",
+              f"use one of {', '.join(REGRESS)} (prenorm: the pre-norm feature, postnorm: the final "
+              "norm's output as EAGLE-1, none: token loss only as EAGLE-3)")
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}", "use e.g. 3e-4")
         check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}", "use 1 or more")
         check(self.ttt_steps >= 1, "ttt_steps", f"must be >= 1, got {self.ttt_steps}",
@@ -121,7 +134,7 @@ class DistillModule(L.LightningModule):
         for j, out in enumerate(outs):  # out [B, T-1, E]: row p predicts f_{p+1+j}
             n = t - 1 - j  # rows whose target lies inside the sequence
             step = _step_losses(self.head, out[:, :n], hidden[:, 1 + j:], {k: v[:, j:] for k, v in base.items()},
-                                mask[:, 1 + j:])
+                                mask[:, 1 + j:], self.cfg.regress)
             loss = loss + weights[j] * (self.cfg.v_weight * step["vloss"] + self.cfg.p_weight * step["ploss"])
             logs.update(step if j == 0 else {f"acc{j + 1}": step["acc"]})
         return {"loss": loss, **logs}
@@ -154,13 +167,21 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 
 
 def _step_losses(head: EagleHead, out: torch.Tensor, nxt: torch.Tensor, base: dict[str, torch.Tensor],
-                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """out, nxt [B, N, E] predicted and base features; base: the base's distribution "probs"
-    [B, N, V'], its "top" token and "entropy" [B, N]; mask [B, N] rows to learn."""
+                 mask: torch.Tensor, regress: str = "prenorm") -> dict[str, torch.Tensor]:
+    """out, nxt [B, N, E] predicted and base features (pre-norm); base: the base's distribution
+    "probs" [B, N, V'], its "top" token and "entropy" [B, N]; mask [B, N] rows to learn; regress:
+    the regression target (see the module docstring)."""
     m = mask.to(torch.float32)
     denom = m.sum().clamp_min(1.0)
-    r = _rms(nxt)  # [B, N, 1]
-    vloss = (F.smooth_l1_loss(out.float() / r, nxt / r, reduction="none").mean(-1) * m).sum() / denom
+    if regress == "prenorm":
+        r = _rms(nxt)  # [B, N, 1]
+        vloss = (F.smooth_l1_loss(out.float() / r, nxt / r, reduction="none").mean(-1) * m).sum() / denom
+    elif regress == "postnorm":  # the base's frozen final norm on both sides (gradients flow through it)
+        norm = head.base.norm
+        pred, true = norm(out.float()).float(), norm(nxt.float()).float()  # [B, N, E]
+        vloss = (F.smooth_l1_loss(pred, true, reduction="none").mean(-1) * m).sum() / denom
+    else:  # "none": no regression term
+        vloss = torch.zeros((), device=out.device)
     logits = head.logits(out)  # [B, N, V']
     logp = F.log_softmax(logits, -1, dtype=torch.float32)  # [B, N, V']
     ce = -(base["probs"] * logp).sum(-1)  # [B, N]

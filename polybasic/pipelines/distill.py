@@ -53,15 +53,18 @@ class DistillSection:
     max_prompt_tokens: int = 512
     seed: int = 0
     gen_batch_size: int = 32  # prompts per batched decode loop
-    gen_dtype: str = "bfloat16"  # the target answers in this dtype (a bf16 copy is ~2x faster on CPU)
-    references: bool = True  # also learn from the dataset's own answers (teacher-forced)
+    gen_dtype: str = "bfloat16"  # the target answers in this dtype (a bf16 copy is ~2x faster on CPU);
+    # float32: the answers an fp32 target gives (a bf16 copy's greedy answers drift from them)
+    references: bool = True  # also learn from the dataset's own answers (teacher-forced, off-policy)
     features: str = "cache"  # cache: one batched prefill, safetensors shards; online: every step
-    feature_dtype: str = "bfloat16"  # the float target's features are computed by a copy in this dtype
+    feature_dtype: str = "bfloat16"  # the float target's features (and soft targets) come from a copy in
+    # this dtype and are cached in it; float32: exactly the fp32 target's (twice the cache)
     feature_batch_tokens: int = 4096
     drafters: list[str] = field(default_factory=lambda: ["target"])
     quantized: str = ""  # the quantized copy; default <out_dir>/model.safetensors
     draft_vocab_size: int = 0  # > 0: EAGLE-3 style reduced draft vocabulary
     head_layers: int = 1  # decoder blocks in each head
+    feature_residual: bool = True  # the head's blocks read f_p + fc(...) (DrafterConfig.feature_residual)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -79,8 +82,16 @@ class DistillSection:
               "use 'cache' or 'online'")
         check(bool(self.drafters) and set(self.drafters) <= set(DRAFTERS), "distill.drafters",
               f"is {self.drafters}", f"list one or both of {', '.join(DRAFTERS)}")
-        parse_dtype(self.gen_dtype)
-        parse_dtype(self.feature_dtype)
+        from polybasic.models.loader import DTYPES
+
+        for name in ("gen_dtype", "feature_dtype"):
+            check(getattr(self, name) in DTYPES, f"distill.{name}", f"is {getattr(self, name)!r}",
+                  f"use one of {', '.join(DTYPES)} (float32: exactly the fp32 target's numerics)")
+            parse_dtype(getattr(self, name))
+        check(isinstance(self.feature_residual, bool), "distill.feature_residual",
+              f"must be true or false, got {self.feature_residual!r}", "use true (default) or false")
+        check(isinstance(self.references, bool), "distill.references",
+              f"must be true or false, got {self.references!r}", "use true (default) or false")
         SamplingConfig(temperature=self.temperature)
 
 
@@ -101,8 +112,9 @@ def _as_dtype(model, dtype: str):
 
 
 def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list[Sample]:
-    path = out / "samples.jsonl"
-    if path.is_file():
+    path, meta = out / "samples.jsonl", out / "samples.inputs.json"
+    key = {**_inputs_key(lm, sec), "references": sec.references}
+    if path.is_file() and meta.is_file() and json.loads(meta.read_text()) == key:
         announce(f"reused: {path}")
         return [Sample(**json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     pairs = load_pairs(sec.data, sec.limit)
@@ -119,14 +131,20 @@ def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list
         samples += reference_samples(lm.tokenizer, pairs, sec.max_prompt_tokens + sec.max_new_tokens)
     write_text(path, "".join(json.dumps({"tokens": s.tokens, "n_prompt": s.n_prompt}) + "\n"
                                     for s in samples))
+    write_json(meta, key)
     return samples
+
+
+def _inputs_key(lm, sec: DistillSection) -> dict:
+    """What the generated answers depend on."""
+    return {"model": repr(lm.args), **{k: str(getattr(sec, k)) for k in (
+        "data", "limit", "self_instruct", "max_new_tokens", "temperature", "max_prompt_tokens", "seed",
+        "gen_batch_size", "gen_dtype")}}
 
 
 def _shard_dir(folder: Path, lm, sec: DistillSection) -> Path:
     """The folder of the generation's shards; shards made with other settings are removed."""
-    key = {"model": repr(lm.args), **{k: str(getattr(sec, k)) for k in (
-        "data", "limit", "self_instruct", "max_new_tokens", "temperature", "max_prompt_tokens", "seed",
-        "gen_batch_size", "gen_dtype")}}
+    key = _inputs_key(lm, sec)
     meta = folder / "inputs.json"
     if meta.is_file() and json.loads(meta.read_text()) != key:
         stale = sorted(folder.glob("*.jsonl"))
@@ -142,8 +160,19 @@ def _shard_dir(folder: Path, lm, sec: DistillSection) -> Path:
 def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Path,
                    progress: bool = False) -> list[Sample]:
     """Samples carrying the base's features, from cached shards (computed once, shard by shard)."""
+    from polybasic.models.loader import parse_dtype
+
     folder.mkdir(parents=True, exist_ok=True)
     model = _as_dtype(base, sec.feature_dtype)
+    key, meta = {"feature_dtype": str(parse_dtype(sec.feature_dtype))}, folder / "inputs.json"
+    made = json.loads(meta.read_text()) if meta.is_file() else {"feature_dtype": "torch.bfloat16"}  # older runs: bf16
+    if made != key:  # shards of another feature_dtype
+        stale = sorted(folder.glob("shard-*.safetensors"))
+        for p in stale:
+            p.unlink()
+        if stale:
+            announce(f"discarded {len(stale)} feature shard(s) in {folder}: made with another feature_dtype")
+    write_json(meta, key)
     if done := sorted(folder.glob("shard-*.safetensors")):
         announce(f"reused: {len(done)} feature shard(s) from {folder}")
     out = []
@@ -152,7 +181,8 @@ def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Pat
         if not path.is_file():
             part = samples[k:k + SHARD]
             feats = compute_features(model, part, sec.feature_batch_tokens, progress,
-                                     desc=f"features {folder.parent.name} {k // SHARD + 1}/{-(-len(samples) // SHARD)}")
+                                     desc=f"features {folder.parent.name} {k // SHARD + 1}/{-(-len(samples) // SHARD)}",
+                                     dtype=parse_dtype(sec.feature_dtype))  # cached as computed
             save_feature_shard(path, [Sample(s.tokens, s.n_prompt, f) for s, f in zip(part, feats)])
         out += load_feature_shard(path)
     return out
@@ -185,7 +215,8 @@ def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False
     samples = _samples(lm, sec, out, progress)
     if not samples:
         raise ConfigError(f"distill.data: {sec.data} gave no training sequences; pass a file with prompts")
-    head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size, n_layers=sec.head_layers)
+    head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size, n_layers=sec.head_layers,
+                                      feature_residual=sec.feature_residual)
     modules = {}
     for name in sec.drafters:
         base = _base_for(name, lm, sec, Path(run_dir or out.parent))

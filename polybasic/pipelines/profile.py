@@ -17,11 +17,15 @@ from pathlib import Path
 
 from polybasic.artifacts import announce, fault_point, write_json
 from polybasic.errors import ConfigError
-from polybasic.pipelines.sections import ProfileSection
+from polybasic.pipelines.sections import SIBLING, ProfileSection
 
 
 def own_level(name: str, out: Path) -> str:
     """The spelling of a recipe output's level name; other spellings as they are."""
+    if name.startswith(SIBLING):
+        from polybasic.pipelines.quantize import sibling_folder
+
+        return str(sibling_folder(out, name[len(SIBLING):]) / "model.safetensors")
     return {"quantized": str(out / "model.safetensors"),
             "eagle:target": f"eagle:{out / 'distill' / 'target' / 'head.safetensors'}",
             "eagle:quantized": f"eagle:{out / 'distill' / 'quantized' / 'head.safetensors'}"}.get(name, name)
@@ -34,6 +38,8 @@ def chain_spelling(names: list[str], out: Path) -> str:
 
 def _writer(name: str) -> str | None:
     """The stage that writes a recipe output level, if it is one."""
+    if name.startswith(SIBLING):
+        return "quantize"
     return {"quantized": "quantize", "eagle:target": "distill", "eagle:quantized": "distill"}.get(name)
 
 
@@ -52,6 +58,9 @@ def candidates(recipe, out: Path) -> list[str]:
             continue
         if name == "eagle:quantized" and ("quantized" not in drafters or "quantized" not in recipe.profile.levels):
             continue
+        if name.startswith(SIBLING) and name[len(SIBLING):] not in recipe.quantize.siblings:
+            raise ConfigError(f"profile.levels: '{name}' names a quantized sibling, but quantize.siblings "
+                              f"{recipe.quantize.siblings} does not list {name[len(SIBLING):]!r}; add it there")
         names.append(name)
     return names
 

@@ -7,6 +7,8 @@ killed run and prints what it reused):
   report.md/.json     perplexity and next-token top-1 agreement with the fp model on held-out text
                       for fp, and each method x scheme; per-forward latency for M=1 and k tokens
   work/<tag>/         per-block calibration state and per-cell results (the resume points)
+  siblings/<name>/    the same outputs for each `quantize.siblings` model (e.g. a smaller model of
+                      the target's family, a cheaper chain level), quantized with the same settings
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from polybasic.quant.calibrate import build_quantized_model, calibrate, parse_sc
 
 log = logging.getLogger(__name__)
 
-GGUF_NOTE = (
+GGUF_NOTES = {"smollm2-135m": (
     "SmolLM2-135M-Instruct is shipped as a 4-bit GGUF (Q4_1: blocks of 32 weights, w = d*q + m "
     "with an fp16 scale d and an fp16 offset m per block), dequantized to fp32 on load. The fp32 "
     "\"target\" therefore already sits on a 4-bit grid with group 32. For each scheme: w4a16 with "
@@ -42,7 +44,20 @@ GGUF_NOTE = (
     "clipping-only calibration is the natural choice. w4a8 and w4a4 add activation error that the "
     "shipped model never had; there the transforms (outlier migration) are what matters. The "
     "absolute perplexities are of a model that already lost some quality to Q4_1, which the table "
-    "cannot show (we have no unquantized weights).")
+    "cannot show (we have no unquantized weights).")}
+GGUF_NOTE = ("A model expanded from a GGUF file already sits on that file's block grids (e.g. Q4_K, Q6_K), "
+             "so re-quantizing re-rounds its weights; the absolute perplexities are of a model that already "
+             "lost some quality to the shipped quantization, which the table cannot show.")
+
+
+def sibling_folder(out: Path, source: str) -> Path:
+    """Where the quantize stage writes the copy of a `quantize.siblings` model."""
+    return Path(out) / "siblings" / source.replace("/", "_")
+
+
+def sibling_recipe(recipe: Recipe, source: str) -> Recipe:
+    """The recipe with `source` as its model, for quantizing a sibling alike."""
+    return replace(recipe, model=replace(recipe.model, source=source))
 
 
 def load_records(source: DataSource) -> list[Example]:
@@ -147,7 +162,7 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
                      "text": f"last {q.holdout} records of {q.data}"},
             "calibration": {"windows": int(calib_tok.shape[0]), "seq_len": cal.seq_len,
                             "text": f"first records of {q.data} (holdout excluded)"},
-            "gguf_note": GGUF_NOTE, "recipe": to_dict(recipe)}
+            "gguf_note": GGUF_NOTES.get(recipe.model.source, GGUF_NOTE), "recipe": to_dict(recipe)}
     report: dict = {}
     # the recipe's model first (saved, timed), then the rest of the grid; the report is rewritten
     # after every cell, so an interrupted run leaves a partial but consistent report
@@ -214,7 +229,9 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
     save_quantized(main, out / "model.safetensors", qconf, recipe.model.source)
     dep_ppl, dep_agree, _ = evaluate(main, eval_tok, fp_argmax)
     cached = out / "work" / f"latency-{_fingerprint(to_dict(recipe))}.json"
-    if cached.is_file():
+    if not q.latency_reps:
+        lat = None
+    elif cached.is_file():
         lat = json.loads(cached.read_text())
         announce(f"reused: latency table {cached}")
     else:
@@ -258,6 +275,15 @@ def render_report(r: dict) -> str:
         lines += ["", f"AffineQuant vs RTN at w4a4: perplexity {aq['ppl']:.3f} vs {rtn['ppl']:.3f}, agreement "
                       f"{aq['top1_agree']:.4f} vs {rtn['top1_agree']:.4f}: "
                       f"{'beats RTN on both' if ok else 'does NOT beat RTN on both'}."]
+    m = r["main"]
+    if not r["latency_ms"]:
+        lines += ["", f"Recipe model: {m['method']} {m['scheme']}, kernel {m['kernel']} in {m['dtype']}, LM head "
+                      f"{'quantized too (RTN)' if m.get('lm_head_quantized') else 'kept in ' + m['dtype']}: "
+                      f"deployed perplexity {m['deployed_ppl']:.3f}, top-1 agreement {m['deployed_top1_agree']:.4f}. "
+                      "No latency table (quantize.latency_reps: 0).",
+                  "", "## The shipped model", "", r["gguf_note"], "",
+                  f"Cells done: {r['done_cells']}. Wall time of the stage so far: {r['wall_s']} s."]
+        return "\n".join(lines) + "\n"
     lat = r["latency_ms"]
     lat = {n: {int(k): v for k, v in d.items()} for n, d in lat.items()}  # JSON keys are strings
     ks = list(next(iter(lat.values())).keys())
@@ -267,7 +293,6 @@ def render_report(r: dict) -> str:
     f1 = lat["fp32"][ks[0]]
     for name, d in lat.items():
         lines.append(f"| {name} | " + " | ".join(f"{d[k]:.1f}" for k in ks) + f" | {d[ks[0]] / f1:.2f}x |")
-    m = r["main"]
     main_name = next(n for n in lat if m["kernel"] in n and "emulation" not in n)
     ratio = lat[main_name][ks[0]] / f1
     lines += ["", f"Recipe model: {m['method']} {m['scheme']} (calibrated with its activation bits), executed "
@@ -295,8 +320,13 @@ def _int8mm_verdict(lat: dict, k: int, fp: float) -> list[str]:
 
 
 def check_inputs(recipe: Recipe, out: Path, upstream: set[str]) -> None:
-    """The calibration data parses and has more records than the holdout (before any model loads)."""
+    """The calibration data parses and has more records than the holdout, and every sibling model
+    source exists (before any model loads)."""
+    from polybasic.models.preflight import check_source
+
     q = recipe.quantize
+    for i, src in enumerate(q.siblings):
+        check_source(src, f"quantize.siblings[{i}]")
     records = load_records(q.data)
     if len(records) <= q.holdout:
         raise ConfigError(f"quantize.holdout: {q.holdout} >= the {len(records)} records of {q.data}; "
@@ -305,8 +335,12 @@ def check_inputs(recipe: Recipe, out: Path, upstream: set[str]) -> None:
 
 def run_stage(ctx) -> list[Path]:
     """The stage in `polybasic quantize|run`: calibrate on the shared fp32 target (its own copy
-    otherwise), save the model, write the report."""
+    otherwise), save the model, write the report; then each sibling model alike, in its folder."""
     lm = ctx.target if ctx.recipe.model.dtype in ("float32", "fp32") else None
-    report = run_quantize(ctx.recipe, ctx.out, lm=lm)
-    print(f"wrote {ctx.out / 'model.safetensors'}, {ctx.out / 'report.md'} (wall {report['wall_s']} s)")
-    return [ctx.out / "model.safetensors", ctx.out / "report.json", ctx.out / "report.md"]
+    outputs = []
+    for recipe, out in [(ctx.recipe, ctx.out)] + [(sibling_recipe(ctx.recipe, s), sibling_folder(ctx.out, s))
+                                                  for s in ctx.recipe.quantize.siblings]:
+        report = run_quantize(recipe, out, lm=lm if out == ctx.out else None)
+        print(f"wrote {out / 'model.safetensors'}, {out / 'report.md'} (wall {report['wall_s']} s)")
+        outputs += [out / "model.safetensors", out / "report.json", out / "report.md"]
+    return outputs

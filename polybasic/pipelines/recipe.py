@@ -69,7 +69,8 @@ class QuantizeSection:
     quantize_lm_head: bool = False  # also run the LM head as w_bits weights (RTN) in the saved model
     latency_tokens: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     latency_context: int = 128
-    latency_reps: int = 15
+    latency_reps: int = 15  # 0: no latency table (it holds fp32, bf16 and int8 copies: ~7x the fp32 model in memory)
+    siblings: list[str] = field(default_factory=list)  # other model sources (same tokenizer) quantized alike
 
     def __post_init__(self) -> None:
         from polybasic.errors import check
@@ -82,9 +83,14 @@ class QuantizeSection:
             parse_scheme(s, self.calib.group_size, f"{f}schemes[{i}]")
         for i, m in enumerate(self.methods):
             check(m in METHODS, f"{f}methods[{i}]", f"unknown method {m!r}", f"use one of {METHODS}")
-        for name in ("holdout", "eval_seq_len", "eval_windows", "latency_context", "latency_reps"):
+        for name in ("holdout", "eval_seq_len", "eval_windows", "latency_context"):
             v = getattr(self, name)
             check(v > 0, f + name, f"must be > 0, got {v}", "use a positive int")
+        check(self.latency_reps >= 0, f + "latency_reps", f"must be >= 0, got {self.latency_reps}",
+              "use 0 (no latency table) or a positive int")
+        for i, src in enumerate(self.siblings):
+            check(isinstance(src, str) and bool(src.strip()), f"{f}siblings[{i}]", f"is {src!r}",
+                  "name a model source, e.g. qwen2.5-coder-0.5b")
         for i, k in enumerate(self.latency_tokens):
             check(k > 0, f"{f}latency_tokens[{i}]", f"must be > 0, got {k}", "use e.g. [1, 4, 8, 16]")
         try:

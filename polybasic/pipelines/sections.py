@@ -1,9 +1,10 @@
 """Recipe sections of the chain stages: profile -> plan -> export -> bench (plain dataclasses, no torch).
 
 Candidate levels are written as chain-level spellings (see runtime.chainspec: `target@bfloat16`,
-`ngram:3`, `PATH.safetensors`, `eagle:PATH`, `SOURCE@DTYPE`) plus three names for what the recipe's
+`ngram:3`, `PATH.safetensors`, `eagle:PATH`, `SOURCE@DTYPE`) plus names for what the recipe's
 own stages wrote into its out_dir: `quantized` (<out_dir>/model.safetensors), `eagle:target` and
-`eagle:quantized` (<out_dir>/distill/<drafter>/head.safetensors).
+`eagle:quantized` (<out_dir>/distill/<drafter>/head.safetensors), and `quantized:SOURCE` for each
+model of `quantize.siblings` (<out_dir>/siblings/SOURCE/model.safetensors).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from polybasic.data import DEFAULT_DATA, DataSource
 from polybasic.errors import check
 
 OWN_LEVELS = ("quantized", "eagle:target", "eagle:quantized")
+SIBLING = "quantized:"  # `quantized:SOURCE`: the quantize stage's copy of the sibling model SOURCE
 
 
 @dataclass

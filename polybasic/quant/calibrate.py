@@ -403,6 +403,17 @@ def rtn_block_mse(model: nn.Module, tokens: Tensor, cfg: CalibrationConfig, laye
     return out[0], out[1]
 
 
+def _copy_without_block_linears(model: nn.Module) -> nn.Module:
+    """A deep copy of model whose block linears (about to be replaced) hold empty placeholders, so a
+    large model is never copied whole (a 1.5B fp32 model would need 6 GB more)."""
+    memo = {}
+    for block in model.layers:
+        for fqn in LINEARS.values():
+            lin = block.get_submodule(fqn)
+            memo[id(lin.weight)] = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+    return copy.deepcopy(model, memo)
+
+
 def build_quantized_model(model: nn.Module, results: list[dict], config: QuantConfig,
                           dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
     """A copy of model with the calibrated (transformed) norms and real quantized linears.
@@ -411,7 +422,7 @@ def build_quantized_model(model: nn.Module, results: list[dict], config: QuantCo
     calibrated fake-quantized block exactly (up to the kernel's arithmetic). The LM head stays
     as it is unless config.quantize_lm_head (then: untied from the embedding, round-to-nearest).
     """
-    qm = copy.deepcopy(model).to(device=device, dtype=dtype)
+    qm = _copy_without_block_linears(model).to(device=device, dtype=dtype)
     for i, (block, res) in enumerate(zip(qm.layers, results)):
         w, p = res["weights"], res["params"]
         for key, fqn in NORMS.items():

@@ -26,9 +26,20 @@ def build_eagle(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
 
 
 def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
+    """A quantized copy of the target, or of another model with the target's tokenizer (a sibling,
+    e.g. `quantize.siblings`): that one is built from its own model's config."""
     from polybasic.models.llama import Transformer
     from polybasic.quant import load_quantized
+    from polybasic.quant.api import quant_header
 
+    source = quant_header(spec.path).get("source", "")
+    if source and source != target.name:
+        from polybasic.models.loader import load_quantized_model
+        from polybasic.models.tokenizer_check import check_same_tokenizer
+
+        lm = load_quantized_model(spec.path, device)
+        check_same_tokenizer(target.tokenizer, lm.tokenizer, spec.name)
+        return ModelLevel(lm.model, name=spec.name, tokenizer=lm.tokenizer)
     model = load_quantized(spec.path, lambda: Transformer(target.args), device=device)
     return ModelLevel(model, name=spec.name, tokenizer=target.tokenizer)
 
@@ -52,22 +63,32 @@ def build_model(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
 
 
 def build_chain(spec: ChainSpec, target: LoadedModel, device: str | torch.device | None = None,
-                flag: str = "chain") -> list[Level]:
+                flag: str = "chain", cache: dict[str, Level] | None = None) -> list[Level]:
     """Target level first, then the spec's levels, every one on `device` (default: the target's, where
-    its verification reads their drafts); every file is checked before any level loads."""
+    its verification reads their drafts); every file is checked before any level loads.
+
+    cache: levels built by earlier calls, reused when the same level appears again (chains that run
+    one after another, as a benchmark's do, share one copy of each model). A level that reads the
+    features of the one above it is keyed by the whole chain down to it."""
     check_chain_files(spec, flag)
     device = torch.device(target.model.device if device is None else device)
     if device != torch.device(target.model.device):
         raise ConfigError(f"{flag}: levels asked for on {device}, but the target is on {target.model.device}; "
                           "load the target on the same device")
-    levels: list[Level] = [ModelLevel(target.model, name="target", tokenizer=target.tokenizer)]
-    for lv in spec.levels:
-        with named(f"{flag}: level '{lv.name}'"):
-            levels.append(load_entry(KINDS[lv.kind].builder)(lv, target, levels[-1], device))
+    cache = {} if cache is None else cache
+    if "target" not in cache:  # shared too: a cached head reads the features of this very level
+        cache["target"] = ModelLevel(target.model, name="target", tokenizer=target.tokenizer)
+    levels: list[Level] = [cache["target"]]
+    for i, lv in enumerate(spec.levels):
+        key = "+".join(x.name for x in spec.levels[:i + 1]) if KINDS[lv.kind].drafts_on_features else lv.name
+        if key not in cache:
+            with named(f"{flag}: level '{lv.name}'"):
+                cache[key] = load_entry(KINDS[lv.kind].builder)(lv, target, levels[-1], device)
+        levels.append(cache[key])
     return levels
 
 
 def parse_chain(text: str, target: LoadedModel, device: str | torch.device | None = None,
-                flag: str = "chain") -> list[Level]:
+                flag: str = "chain", cache: dict[str, Level] | None = None) -> list[Level]:
     """The levels `text` spells (see runtime.chainspec), the target's first. May start with 'target+'."""
-    return build_chain(parse_chain_spec(text, flag), target, device, flag)
+    return build_chain(parse_chain_spec(text, flag), target, device, flag, cache)

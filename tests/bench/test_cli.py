@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from polybasic.bench.methods import BenchContext, make_runner, parse_methods
+from polybasic.bench.methods import BenchContext, make_runner, parse_methods, split_source_dtype
 from polybasic.cli import main
+from polybasic.errors import ConfigError
 from tests.helpers import lean_from_hf, tiny_hf_llama
 
 
@@ -13,7 +14,12 @@ from tests.helpers import lean_from_hf, tiny_hf_llama
     (["--methods", "vanilla,chain"], "pass --bundle"),
     (["--methods", "vanilla,nope"], "methods: unknown nope"),
     (["--methods", "hf,hf"], "names a method twice"),
-    (["--methods", "vanilla:x"], "takes no ':' argument"),
+    (["--methods", "hf:x"], "takes no ':' argument"),
+    (["--methods", "vanilla:float13"], "methods: 'vanilla:float13': unknown dtype 'float13'; use one of float32"),
+    (["--methods", "vanilla:"], "empty argument after 'vanilla:'"),
+    (["--methods", "hf-assisted"], "'hf-assisted' needs an argument; spell it hf-assisted:SOURCE[@DTYPE]"),
+    (["--methods", "hf-assisted:smollm2-135m@fp13"], "methods: 'hf-assisted:smollm2-135m@fp13': unknown dtype"),
+    (["--methods", "hf-assisted:/nonexistent/x"], "methods: 'hf-assisted:/nonexistent/x': "),
     (["--max-new-tokens", "0"], "max_new_tokens: must be >= 1"),
     (["--temperature", "-1"], "temperature"),
     (["--per-category", "0"], "per_category"),
@@ -22,6 +28,28 @@ from tests.helpers import lean_from_hf, tiny_hf_llama
 ])
 def test_bad_input_fails_before_loading(questions_file, capsys, argv, words):
     rc = main(["bench", "--model", "/nonexistent", "--questions", str(questions_file), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "Traceback" not in err
+
+
+@pytest.fixture
+def quantized_file(tmp_path, tiny_model_dir):
+    """A file that passes the header checks of a quantized copy (no loadable weights)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "q.safetensors"
+    save_file({"x": torch.zeros(1)}, path, metadata={"format": "polybasic.quant", "source": str(tiny_model_dir)})
+    return path
+
+
+@pytest.mark.parametrize("method, words", [
+    ("vanilla:bf16", "a quantized copy runs in the dtype it was saved with"),
+    ("hf-assisted:{q}", "a quantized copy has no transformers model"),
+])
+def test_quantized_sources_fail_before_loading(questions_file, quantized_file, capsys, method, words):
+    rc = main(["bench", "--model", str(quantized_file), "--questions", str(questions_file),
+               "--methods", method.format(q=quantized_file)])
     assert rc == 2 and words in capsys.readouterr().err
 
 
@@ -35,6 +63,18 @@ def test_parse_methods_puts_vanilla_first():
     assert parse_methods("hf, vanilla") == ["vanilla", "hf"]
 
 
+def test_parse_methods_checks_arguments(tiny_model_dir):
+    assistant = f"hf-assisted:{tiny_model_dir}"
+    assert parse_methods(f"vanilla:bfloat16,{assistant}") == ["vanilla", "vanilla:bfloat16", assistant]
+    assert parse_methods("hf-assisted:owner/name@bf16,vanilla:fp32")[1:] == ["hf-assisted:owner/name@bf16",
+                                                                           "vanilla:fp32"]  # a Hub id
+    assert split_source_dtype("a/b@bf16") == ("a/b", "bf16") and split_source_dtype("x@y/z") == ("x@y/z", None)
+    with pytest.raises(ConfigError, match=r"methods: 'vanilla:float13': unknown dtype 'float13'; use one of"):
+        parse_methods("vanilla:float13")
+    with pytest.raises(ConfigError, match=r"methods: 'hf-assisted:.*@float13': unknown dtype"):
+        parse_methods(f"{assistant}@float13")
+
+
 def test_runners_agree_with_vanilla_at_greedy():
     hf = tiny_hf_llama(seed=0)
     ctx = BenchContext(lean_from_hf(hf), None, {1}, 12, hf_loader=lambda: hf, draft_tokens=4,
@@ -46,6 +86,35 @@ def test_runners_agree_with_vanilla_at_greedy():
         out = make_runner(name, ctx)(prompt, 0)
         assert out.tokens == ref.tokens, name
     assert make_runner("pld", ctx)(prompt, 0).tau >= 1.0
+
+
+def test_vanilla_dtype_and_hf_assisted_agree_with_vanilla(tiny_model_dir):
+    """vanilla:float32 reloads the float32 target; greedy assisted generation (the tiny model assisting
+    itself) is lossless."""
+    from polybasic.models import load_hf_model, load_model
+
+    lm = load_model(str(tiny_model_dir), "float32")
+    ctx = BenchContext(lm.model, lm.tokenizer, {1}, 12, source=str(tiny_model_dir), dtype="float32",
+                       hf_loader=lambda: load_hf_model(str(tiny_model_dir)))
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    ref = make_runner("vanilla", ctx)(prompt, 0)
+    again = make_runner("vanilla:float32", ctx)
+    assert again(prompt, 0).tokens == ref.tokens
+    assisted = make_runner(f"hf-assisted:{tiny_model_dir}", ctx)(prompt, 0)
+    assert assisted.tokens == ref.tokens and assisted.wall_s > 0
+    assert make_runner("vanilla:bf16", ctx)(prompt, 0).tokens  # runs in bfloat16
+    compiled = make_runner("vanilla-compiled:float32", ctx)  # a reloaded copy, its step compiled
+    assert compiled(prompt, 0).tokens == ref.tokens
+
+
+def test_chain_reports_every_link(tiny_model_dir):
+    from polybasic.models import load_model
+
+    lm = load_model(str(tiny_model_dir), "float32")
+    ctx = BenchContext(lm.model, lm.tokenizer, {1}, 12, draft_tokens=4, source=str(tiny_model_dir))
+    out = make_runner("chain:target+target@bfloat16+ngram", ctx)([5, 6, 7, 5, 6, 7, 5, 6], 0)
+    assert list(out.links) == ["target<-target@bfloat16", "target@bfloat16<-ngram"]
+    assert out.accepted == out.links["target@bfloat16<-ngram"] and out.links["target<-target@bfloat16"]
 
 
 def test_end_to_end_on_tiny_model(tiny_model_dir, questions_file, tmp_path, capsys):
@@ -66,6 +135,32 @@ def test_end_to_end_on_tiny_model(tiny_model_dir, questions_file, tmp_path, caps
     assert d["machine"]["command"].startswith("polybasic bench") and d["config"]["prompts"] == 2
     assert "vanilla" in capsys.readouterr().out
     assert "--max-new-tokens 8" in (rep / "report.md").read_text()
+
+
+def test_end_to_end_reports_links_and_fastest_vanilla(tiny_model_dir, questions_file, tmp_path, capsys):
+    out, rep = tmp_path / "b.json", tmp_path / "rep"
+    methods = ["vanilla", "vanilla:bfloat16", "chain:target@bfloat16+ngram"]
+    rc = main(["bench", "--model", str(tiny_model_dir), "--questions", str(questions_file),
+               "--per-category", "1", "--categories", "qa", "--max-new-tokens", "8",
+               "--methods", ",".join(methods), "--json", str(out), "--report", str(rep), "--no-progress", "--warmup", "0"])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert list(d["methods"]) == methods and d["fastest_vanilla"] in methods[:2]
+    s = d["methods"]
+    assert s[d["fastest_vanilla"]]["speedup_vs_fastest_vanilla"] == pytest.approx(1.0)
+    assert all(s[m]["speedup_vs_fastest_vanilla"] <= 1.0 + 1e-9 for m in methods[:2])
+    links = s[methods[2]]["links"]
+    assert list(links) == ["target<-target@bfloat16", "target@bfloat16<-ngram"]
+    assert all(v >= 1 for v in links.values())
+    assert s[methods[2]]["accept_len"] == pytest.approx(links["target@bfloat16<-ngram"])
+    assert s["vanilla"]["links"] is None and s[methods[2]]["identical_to_vanilla"] == "1/1"
+    assert d["machine"]["peak_rss_mib"] > 0
+    assert all((r["links"] is not None) == (r["method"] == methods[2]) for r in d["records"])
+    report = (rep / "report.md").read_text()
+    for words in ("| vs fastest |", "| links |", "target<-target@bfloat16 ", "Fastest vanilla decoder of this "
+                  f"run: {d['fastest_vanilla']}", "Peak RSS", "not expected to be identical"):
+        assert words in report, words
+    assert "vs fastest" in capsys.readouterr().out
 
 
 def test_sampling_run_reports_no_identity(tiny_model_dir, questions_file, tmp_path):
@@ -97,7 +192,8 @@ def test_questions_without_categories_report_one_category(tiny_model_dir, tmp_pa
 
 def test_help_lists_every_method():
     from polybasic.bench.cli import METHOD_NAMES
-    from polybasic.bench.methods import METHODS, TAKES_ARG
+    from polybasic.bench.methods import ARGS, METHODS
 
-    # 'chain' alone runs a --bundle's chain
-    assert set(METHOD_NAMES) == {m + ":SPEC" if m in TAKES_ARG else m for m in METHODS} | {"chain"}
+    # a method whose argument is optional is listed with and without it
+    assert set(METHOD_NAMES) == ({f"{m}:{a.form}" for m, a in ARGS.items()}
+                                 | {m for m in METHODS if m not in ARGS or not ARGS[m].required})

@@ -14,6 +14,15 @@ def doc():
     return build_document(records, True, machine_info("float32", "polybasic bench --x 1"), {}, {"model": "m"})
 
 
+def chain_doc():
+    records = [Record("vanilla", 1, "qa", 5, 4, 1.0, None, [1, 2, 3, 4]),
+               Record("vanilla:bfloat16", 1, "qa", 5, 4, 0.8, None, [1, 2, 3, 9]),
+               Record("chain:a+ngram", 1, "qa", 5, 4, 0.4, 2.0, [1, 2, 3, 4], [1, 0],
+                      {"target<-a": [3, 1], "a<-ngram": [1, 0]})]
+    machine = {**machine_info("float32", "polybasic bench"), "peak_rss_mib": 1234.4}
+    return build_document(records, True, machine, {}, {"model": "m"})
+
+
 def test_document_schema():
     d = doc()
     assert set(d["machine"]) >= {"cpu", "cores", "torch", "threads", "dtype", "command"}
@@ -33,6 +42,19 @@ def test_tables_show_methods_and_command():
     for text in (text_table(d), markdown(d)):
         assert "vanilla" in text and "pld" in text and "2.00x" in text and "qa" in text
     assert "`polybasic bench --x 1`" in markdown(d)
+
+
+def test_tables_show_links_fastest_vanilla_and_memory():
+    d = chain_doc()
+    assert d["fastest_vanilla"] == "vanilla:bfloat16"
+    assert d["methods"]["chain:a+ngram"]["speedup_vs_fastest_vanilla"] == 2.0
+    for text in (text_table(d), markdown(d)):
+        assert "vs fastest" in text and "target<-a 3.00, a<-ngram 1.50" in text and "2.00x" in text
+    md = markdown(d)
+    assert "Fastest vanilla decoder of this run: vanilla:bfloat16 (5.00 tokens/s)" in md
+    assert "Peak RSS: 1234 MiB, of the whole process" in md and "not expected to be identical" in md
+    assert "| vanilla:bfloat16 | 5.00 | 1.25x | 1.00x | 1.25x | - | - | - | 0/1 | - |" in md
+    assert "Peak RSS" not in markdown(doc()) and "Fastest vanilla decoder of this run: vanilla " in markdown(doc())
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):

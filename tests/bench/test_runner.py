@@ -2,7 +2,7 @@
 import pytest
 
 from polybasic.bench.methods import Output
-from polybasic.bench.runner import Record, run_all, summarize
+from polybasic.bench.runner import Record, fastest_vanilla, run_all, summarize
 
 
 def fake_runners(calls):
@@ -65,3 +65,32 @@ def test_sampling_has_no_identity_count():
     s = summarize([rec("vanilla", 1, "x", 3, 1.0), rec("m", 1, "x", 3, 1.0)], greedy=False)
     assert s["m"]["identical_to_vanilla"] is None
     assert s["m"]["per_category"]["x"]["identical_to_vanilla"] is None
+
+
+def test_every_link_accepted_length():
+    v = [rec("vanilla", 1, "x", 4, 1.0), rec("vanilla", 2, "y", 4, 1.0)]
+    m = [rec("m", 1, "x", 4, 1.0, tau=2.0), rec("m", 2, "y", 4, 1.0, tau=1.0)]
+    m[0].links = {"target<-a": [2, 1], "a<-ngram": [3, 0, 1]}
+    m[1].links = {"target<-a": [0], "a<-ngram": []}
+    s = summarize(v + m, greedy=True)
+    assert s["m"]["links"] == {"target<-a": pytest.approx(1 + 3 / 3), "a<-ngram": pytest.approx(1 + 4 / 3)}
+    assert s["vanilla"]["links"] is None
+    assert "links" not in s["m"]["per_category"]["x"]  # overall only
+    r = rec("n", 1, "x", 4, 1.0, tau=1.0)  # a link with no verifications has no mean
+    r.links = {"target<-ngram": []}
+    assert summarize(v[:1] + [r], greedy=True)["n"]["links"] == {"target<-ngram": None}
+
+
+def test_speedup_against_the_fastest_vanilla():
+    records = [rec("vanilla", 1, "x", 10, 2.0), rec("vanilla:bfloat16", 1, "x", 10, 1.0),
+               rec("vanilla-compiled", 1, "x", 10, 1.25), rec("m", 1, "x", 10, 0.5),
+               rec("hf", 1, "x", 10, 0.4)]  # hf is faster than every vanilla but is not one
+    s = summarize(records, greedy=True)
+    assert fastest_vanilla(s) == "vanilla:bfloat16"
+    assert s["m"]["speedup"] == pytest.approx(4.0)
+    assert s["m"]["speedup_vs_fastest_vanilla"] == pytest.approx(2.0)
+    assert s["vanilla"]["speedup_vs_fastest_vanilla"] == pytest.approx(0.5)
+    assert s["vanilla:bfloat16"]["speedup_vs_fastest_vanilla"] == pytest.approx(1.0)
+    assert s["vanilla-compiled"]["speedup_vs_fastest_vanilla"] == pytest.approx(0.8)
+    assert s["hf"]["speedup_vs_fastest_vanilla"] == pytest.approx(2.5)
+    assert fastest_vanilla({"m": {"tokens_per_s": 1.0}}) is None

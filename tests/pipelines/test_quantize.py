@@ -1,5 +1,6 @@
 """The `quantize` stage end to end on a tiny local model folder, and recipe errors."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +100,47 @@ def test_quantized_lm_head_option(tmp_path):
     assert isinstance(qm.output, QuantLinear)
     assert torch.equal(qm.tok_embeddings.weight, lm.model.tok_embeddings.weight)  # embedding stays float
     assert "LM head quantized too" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_siblings_are_quantized_alike_and_become_chain_levels(tmp_path):
+    """quantize.siblings: a smaller model with the target's tokenizer is quantized with the same
+    settings into siblings/<name>/, the profile names it `quantized:<name>`, and a chain through it
+    stays greedy-exact. latency_reps 0 skips the latency table."""
+    from polybasic.pipelines.profile import own_level
+    from polybasic.runtime.chain import Chain
+    from polybasic.runtime.generate import generate_tokens
+    from polybasic.runtime.spec import parse_chain
+    from polybasic.models.loader import load_model
+
+    path = _recipe(tmp_path)
+    small = tmp_path / "small"
+    tiny_hf_folder(small, vocab=64, hidden=32, heads=2, kv_heads=1, init_std=0.2)
+    r = yaml.safe_load(path.read_text())
+    r["quantize"].update(schemes=["w4a16"], methods=["rtn"], calib={**r["quantize"]["calib"], "method": "rtn",
+                                                                    "a_bits": 16},
+                         latency_reps=0, siblings=[str(small)])
+    path.write_text(yaml.safe_dump(r))
+    run_recipe(str(path), only=("quantize",))
+    out = tmp_path / "out"
+    copy = Path(own_level(f"quantized:{small}", out))
+    assert copy.is_file() and copy.parent.parent == out / "siblings"
+    assert json.loads((copy.parent / "report.json").read_text())["model"] == str(small)
+    assert json.loads((out / "report.json").read_text())["latency_ms"] is None
+    assert "No latency table" in (out / "report.md").read_text()
+    target = load_model(str(tmp_path / "tiny"))
+    levels = parse_chain(f"{copy}+ngram:2", target)
+    assert levels[1].model.args.dim == 32  # built from the sibling's own config
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    assert Chain(levels, k=3).generate(prompt, 20)[0] == list(generate_tokens(target.model, prompt, 20))
+
+
+def test_sibling_names_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"quantize\.siblings\[0\]"):
+        from_dict(Recipe, {"quantize": {"siblings": [""]}})
+    with pytest.raises(ConfigError, match=r"quantize\.latency_reps"):
+        from_dict(Recipe, {"quantize": {"latency_reps": -1}})
+    r = from_dict(Recipe, {"profile": {"levels": ["quantized:other"]}})
+    from polybasic.pipelines.profile import candidates
+
+    with pytest.raises(ConfigError, match=r"quantize\.siblings"):
+        candidates(r, tmp_path)

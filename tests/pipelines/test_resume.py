@@ -102,6 +102,21 @@ def test_atomic_write_leaves_old_file_or_new_one(tmp_path):
     assert torch.equal(torch.load(tmp_path / "o.pt")["w"], torch.ones(2)) and not partials(tmp_path)
 
 
+def test_atomic_files_get_the_umask_mode(tmp_path):
+    """Writers that create 0600 temp files (safetensors does) still leave a file others may read."""
+    from safetensors.torch import save_file
+
+    old = os.umask(0o022)
+    try:
+        artifacts.save_safetensors(tmp_path / "a.safetensors", {"x": torch.zeros(2)})
+        with artifacts.atomic_path(tmp_path / "b.safetensors") as tmp:
+            save_file({"x": torch.zeros(2)}, tmp)
+            os.chmod(tmp, 0o600)
+    finally:
+        os.umask(old)
+    assert [(tmp_path / n).stat().st_mode & 0o777 for n in ("a.safetensors", "b.safetensors")] == [0o644, 0o644]
+
+
 def test_clean_partials_removes_only_dead_writers(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()

@@ -44,6 +44,23 @@ def test_int4pack_matches_dequantized_linear(m, group_size, sym):
     assert (y.float() - ref).norm() / ref.norm() < 1e-2
 
 
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4pack_dense_prefill_weight(group_size):
+    """The CPU prefill path (>= gemm_rows rows) expands the nibbles in bf16: within one bf16 rounding
+    of each term of the fp32 dequantization, and its GEMM agrees with the reference like the kernel."""
+    cfg = QuantConfig(w_bits=4, a_bits=16, group_size=group_size, kernel="int4pack")
+    mod = Int4PackLinear.from_float(make_linear(256, 48, bias=True), cfg)
+    ref_w = mod.dequantized_weight()
+    w = mod.dense_weight(torch.bfloat16)
+    assert w.dtype == torch.bfloat16 and w.shape == ref_w.shape
+    scale = mod.scale.repeat_interleave(group_size, 1)  # [out, in]
+    assert ((w.float() - ref_w).abs() <= 2 ** -7 * (ref_w.abs() + 16 * scale)).all()
+    x = torch.randn(1, mod.gemm_rows, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    y, ref = mod(x), reference(mod, x)
+    assert mod._dense_rows == mod.gemm_rows and y.dtype == torch.bfloat16
+    assert (y.float() - ref).norm() / ref.norm() < 1e-2
+
+
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("w_sym, a_sym", [(False, False), (True, True), (False, True), (True, False)])

@@ -66,3 +66,26 @@ def test_another_model_level_must_share_the_targets_tokenizer(target, tmp_path):
     tiny_hf_folder(tmp_path / "other", vocab=32, hidden=32, layers=1)
     with pytest.raises(ConfigError, match=r"chain: level '.*other'.*tokenizer differs from the target's"):
         parse_chain(str(tmp_path / "other"), target)
+
+
+def test_level_cache_shares_levels_between_chains(target, tmp_path):
+    """Chains built with one cache share each level (and a head keeps reading the level it drafts on);
+    every chain stays greedy-exact after the other ran."""
+    import torch
+
+    from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
+
+    torch.manual_seed(0)
+    head = tmp_path / "h.safetensors"
+    save_head(head, EagleHead(DrafterConfig.for_base(target.args)).init_from_base(target.model))
+    cache: dict = {}
+    a = parse_chain(f"target@bfloat16+eagle:{head}", target, cache=cache)
+    b = parse_chain(f"target@bfloat16+ngram:2", target, cache=cache)
+    c = parse_chain(f"eagle:{head}", target, cache=cache)
+    d = parse_chain(f"target@bfloat16+eagle:{head}", target, cache=cache)
+    assert a[0] is b[0] is c[0] and a[1] is b[1] and a[2] is d[2]
+    assert a[2].base is a[1] and c[1].base is c[0] and c[1] is not a[2]  # heads keyed by what they read
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    ref = list(generate_tokens(target.model, prompt, 24))
+    for levels in (a, b, c, d):
+        assert Chain(levels, k=3).generate(prompt, 24)[0] == ref
