@@ -2,7 +2,7 @@
 resumed.
 
 Every stage's inputs are fingerprinted (the model section, its own sections, and its upstream stages'
-fingerprints). After a stage finishes, `<out>/.stages/<name>.json` records its fingerprint and the
+fingerprints with the id of the run that wrote their outputs). After a stage finishes, `<out>/.stages/<name>.json` records its fingerprint and the
 files it wrote; a later run skips it while both still match, so editing a section re-runs that stage
 and everything downstream of it. A stage that runs again resumes from what it had finished (each
 stage keeps its own partial work: calibrated blocks, sample shards, checkpoints, measurements).
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,13 @@ def _record(out: Path, name: str) -> dict | None:
         return None
 
 
+def _made(rec: dict) -> str:
+    """A stage's outputs as its downstream stages see them: its inputs' fingerprint and the run that
+    wrote them, so a stage that ran again (its outputs may differ: re-measured, new code) makes the
+    stages after it run again too. Records of older runs have no run id: their fingerprint alone."""
+    return rec["fingerprint"] + (f":{rec['run_id']}" if rec.get("run_id") else "")
+
+
 def _done(out: Path, rec: dict | None, fp: str) -> bool:
     return bool(rec) and rec.get("fingerprint") == fp and all((out / p).exists() for p in rec.get("outputs", []))
 
@@ -106,23 +114,26 @@ def run_recipe(recipe_path: str | Path, out_dir: str | Path | None = None,
     clean_and_announce(out)
     dump_recipe(recipe, out / "recipe.yaml")
     ctx = StageContext(recipe, out, names, str(recipe_path))
-    fps: dict[str, str] = {}
+    fps: dict[str, str] = {}  # what each stage's outputs are, for the stages downstream of it
     for st in STAGES:
         if st.name not in names:
             rec = _record(out, st.name)  # a stage run before, on its own: its outputs feed this run
             if rec:
-                fps[st.name] = rec["fingerprint"]
+                fps[st.name] = _made(rec)
             continue
         fp = fingerprint(st, recipe, fps)
-        fps[st.name] = fp
-        if _done(out, _record(out, st.name), fp):
+        rec = _record(out, st.name)
+        if _done(out, rec, fp):
+            fps[st.name] = _made(rec)
             announce(f"[{st.name}] skipped: its outputs match its inputs (fingerprint {fp[:12]})")
             continue
         announce(f"[{st.name}] {st.help}")
         t0 = time.perf_counter()
         outputs = load_entry(st.entry)(ctx)
         rel = [str(Path(p).resolve().relative_to(out.resolve())) for p in outputs]
-        write_json(out / RECORDS / f"{st.name}.json", {"fingerprint": fp, "outputs": rel,
-                                                       "wall_s": round(time.perf_counter() - t0, 1)}, indent=1)
+        rec = {"fingerprint": fp, "outputs": rel, "wall_s": round(time.perf_counter() - t0, 1),
+               "run_id": uuid.uuid4().hex}
+        write_json(out / RECORDS / f"{st.name}.json", rec, indent=1)
+        fps[st.name] = _made(rec)
         announce(f"[{st.name}] done in {time.perf_counter() - t0:.1f} s: {', '.join(rel)}")
     return ctx

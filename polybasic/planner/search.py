@@ -121,10 +121,10 @@ def plan(profile: Profile, space: SearchSpace = SearchSpace()) -> Plan:
             for ts in itertools.product(space.thresholds, repeat=len(chain) - 2):
                 cfg = ChainConfig(chain, k, ts)
                 pred = predict(profile, cfg, space.new_tokens)
-                if best is None or pred.ms_per_token < best[1].ms_per_token:
+                if best is None or pred.speedup > best[1].speedup:  # prefill amortised over new_tokens
                     best = (cfg, pred)
         rows.append(_row(profile, *best, space.new_tokens))
-    rows.sort(key=lambda r: r.ms_per_token)
+    rows.sort(key=lambda r: -r.speedup)  # not ms_per_token: a level's slow prefill counts too
     return Plan(profile.target, baseline_ms(profile), rows)
 
 

@@ -140,6 +140,8 @@ class Int4PackLinear(QuantLinear):
     _mm = None  # the device's int4pack matmul and from how many rows a dense GEMM runs instead (None: never),
     _dense_rows: int | None = None  # both bound by prepare() for the packed weights' device
     gemm_rows = 128  # CPU: from this many rows on, dequantize to x.dtype and run one GEMM (see dense_weight)
+    keep_dense = False  # keep that expanded weight after the first prefill (see keep_dense_for_prefill)
+    _dense: Tensor | None = None
 
     @classmethod
     def check_shape(cls, in_features, out_features, config, device, name):
@@ -199,10 +201,25 @@ class Int4PackLinear(QuantLinear):
             self.scales_and_zeros = self._scales_and_zeros(x.dtype)
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self._dense_rows is not None and x2.shape[0] >= self._dense_rows and x.dtype != torch.float32:
-            y = F.linear(x2, self.dense_weight(x.dtype))  # CPU prefill: a bf16 GEMM beats the kernel
+            w = self._dense if self._dense is not None and self._dense.dtype == x.dtype else self.dense_weight(x.dtype)
+            if self.keep_dense:
+                self._dense = w
+            y = F.linear(x2, w)  # CPU prefill: a bf16 GEMM beats the kernel
         else:  # the kernel prepare() bound for the weights' device
             y = self._mm(x2, self.packed, self.group_size, self.scales_and_zeros)
         return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))
+
+
+def keep_dense_for_prefill(model: nn.Module) -> int:
+    """Let every CPU int4pack linear of `model` keep its expanded weight after its first prefill: long
+    prompts then run at the dense GEMM's speed (on a 2-core AMD EPYC, a 0.5B copy's 256-token prefill
+    2.5 s -> ~0.9 s) for 2 more bytes per weight of memory; one-token steps still read the int4 codes.
+    For chain levels, whose prefill of every prompt sits on the request's critical path. Returns how
+    many linears keep theirs."""
+    mods = [m for m in model.modules() if isinstance(m, Int4PackLinear) and m._dense_rows is not None]
+    for m in mods:
+        m.keep_dense = True
+    return len(mods)
 
 
 class Int8MMLinear(QuantLinear):

@@ -32,6 +32,8 @@ def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: 
     from polybasic.quant import load_quantized
     from polybasic.quant.api import quant_header
 
+    from polybasic.quant.linear import keep_dense_for_prefill
+
     source = quant_header(spec.path).get("source", "")
     if source and source != target.name:
         from polybasic.models.loader import load_quantized_model
@@ -39,9 +41,11 @@ def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: 
 
         lm = load_quantized_model(spec.path, device)
         check_same_tokenizer(target.tokenizer, lm.tokenizer, spec.name)
-        return ModelLevel(lm.model, name=spec.name, tokenizer=lm.tokenizer)
-    model = load_quantized(spec.path, lambda: Transformer(target.args), device=device)
-    return ModelLevel(model, name=spec.name, tokenizer=target.tokenizer)
+        model, tokenizer = lm.model, lm.tokenizer
+    else:
+        model, tokenizer = load_quantized(spec.path, lambda: Transformer(target.args), device=device), target.tokenizer
+    keep_dense_for_prefill(model)  # a level prefills every prompt: at dense speed, for memory
+    return ModelLevel(model, name=spec.name, tokenizer=tokenizer)
 
 
 def _model_level(source: str, spec: LevelSpec, device: torch.device) -> Level:

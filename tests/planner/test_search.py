@@ -62,15 +62,16 @@ def test_search_picks_the_known_best():
     prof = synthetic()
     space = SearchSpace(k_values=[2, 4, 6], thresholds=[2, 4, 6, 8])
     p = plan(prof, space)
-    # brute force over every chain, k and threshold tuple: the plan's rows are each chain's minimum
+    # brute force over every chain, k and threshold tuple: the plan's rows are each chain's best
+    # speedup with every level's prefill amortised over new_tokens
     best = {}
     for chain in candidate_chains(prof, space.max_levels):
         for k in space.k_values:
             for ts in itertools.product(space.thresholds, repeat=len(chain) - 2):
-                ms = predict(prof, ChainConfig(chain, k, ts)).ms_per_token
-                best[chain] = min(best.get(chain, ms), ms)
-    assert {tuple(r.chain): r.ms_per_token for r in p.rows} == best
-    assert [r.ms_per_token for r in p.rows] == sorted(r.ms_per_token for r in p.rows)
+                sp = predict(prof, ChainConfig(chain, k, ts), space.new_tokens).speedup
+                best[chain] = max(best.get(chain, sp), sp)
+    assert {tuple(r.chain): r.speedup for r in p.rows} == best
+    assert [r.speedup for r in p.rows] == sorted((r.speedup for r in p.rows), reverse=True)
     assert p.best.chain == ["target", "q", "eagle:q"]  # the paper's chain wins on paper-like numbers
     by_spec = {r.spec: r for r in p.rows}
     assert by_spec["q+eagle:q"].speedup > by_spec["eagle:t"].speedup > 1
@@ -82,6 +83,21 @@ def test_search_picks_the_known_best():
     assert v.exact is None and "EAGLE" in v.note
     assert by_spec["q+ngram"].verdicts[0].exact.pays  # q between target and ngram pays
     assert by_spec["eagle:t"].verdicts == []
+
+
+def test_a_slow_prefill_ranks_by_the_amortised_speedup():
+    """A level with the fastest steps but a prefill 50x the target's loses to one that is slower per
+    token but cheap to start: the ranking is the speedup shown (prefill amortised), not steady state."""
+    levels = [LevelProfile("target", "model", curve(22, 0.5, decode_ms=22)),
+              LevelProfile("fast", "model", CostCurve(list(range(1, 13)), [3 + 0.2 * m for m in range(12)], 128,
+                                                      128, 50 * 4 * 22)),
+              LevelProfile("cheap", "model", curve(6, 0.3))]
+    prof = Profile("target", levels, [pair("target", "fast", 0.95), pair("target", "cheap", 0.9)], "cpu",
+                   {"temperature": 0.0})
+    p = plan(prof, SearchSpace(k_values=[4], thresholds=[4], new_tokens=128))
+    by = {r.spec: r for r in p.rows}
+    assert by["fast"].ms_per_token < by["cheap"].ms_per_token  # faster once started
+    assert p.best.spec == "cheap" and by["cheap"].speedup > by["fast"].speedup
 
 
 def test_report_has_one_row_per_candidate():

@@ -59,6 +59,11 @@ def test_int4pack_dense_prefill_weight(group_size):
     y, ref = mod(x), reference(mod, x)
     assert mod._dense_rows == mod.gemm_rows and y.dtype == torch.bfloat16
     assert (y.float() - ref).norm() / ref.norm() < 1e-2
+    from polybasic.quant.linear import keep_dense_for_prefill
+
+    assert mod._dense is None and keep_dense_for_prefill(nn.Sequential(mod)) == 1
+    assert torch.equal(mod(x), y) and torch.equal(mod._dense, w)  # kept: the same weight, the same output
+    assert torch.equal(mod(x[:, :1]), Int4PackLinear.forward(mod, x[:, :1]))  # one row: the kernel
 
 
 @pytest.mark.parametrize("m", ROWS)
