@@ -227,10 +227,24 @@ def _realized(x: Tensor) -> Tensor:
     return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))).reshape(x.shape)
 
 
+ROW_INVARIANT_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def project(lin: nn.Module, x: Tensor) -> Tensor:
-    """lin(x), except that a one-token step under torch.compile reads the block codes (if attached)."""
+    """lin(x), except that a one-token step under torch.compile reads the block codes (if attached),
+    and that a single bf16/fp16 row on a CPU runs as two (a zero row added).
+
+    Why two rows: CPU GEMMs in reduced precision give every row the same bits for any row count >= 2,
+    but one row takes a GEMV path that sums in another order, and bf16 outputs round those last-bit
+    differences into different values. A target's one-token step (vanilla decoding) must give exactly
+    what its k-token verification gives for the same row, or greedy chains drift from vanilla on
+    near-ties; padding costs nothing measurable on memory-bound models (the weights are read once).
+    """
     codes = getattr(lin, "codes", None)
     if codes is not None and x.shape[-2] == 1 and x.dim() == 3 and torch.compiler.is_compiling():
         y = coded_matvec(_realized(x), codes, lin.code_scale, lin.code_min)  # [B, 1, N]
         return y if lin.bias is None else y + lin.bias
+    if (x.numel() == x.shape[-1] and x.dim() >= 2 and x.dtype in ROW_INVARIANT_DTYPES
+            and x.device.type == "cpu" and type(lin) is nn.Linear):
+        return lin(torch.cat((x, torch.zeros_like(x)), dim=-2)).narrow(-2, 0, 1)  # [.., 2, N] -> [.., 1, N]
     return lin(x)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from polybasic.errors import ConfigError
 from polybasic.models.args import ModelArgs
-from polybasic.models.gguf_codes import attach_codes, project
+from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES, attach_codes, project
 
 
 class KVCache(nn.Module):
@@ -97,19 +97,34 @@ class Attention(nn.Module):
         k, v = self.kv_cache.update(start, qk[:, :, h:].transpose(1, 2),
                                     qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D]
         compiling = torch.compiler.is_compiling()
-        if m == 1 and mask is None and (h != g or compiling):
-            # decode: one token sees every cached row; a kv head's H/G query heads are rows of one
-            # call, so K/V are not repeated per query head
-            qg = q.reshape(bsz, g, h // g, self.head_dim)  # [B, G, H/G, D]
-            if compiling:  # plain math: inductor maps it back to one SDPA call with fewer layout
-                # copies (22.2 vs 22.6-23.5 ms per compiled step)
-                y = ((qg @ k.transpose(-1, -2)) * self.head_dim ** -0.5).softmax(-1) @ v  # [B, G, H/G, D]
-            else:
-                y = F.scaled_dot_product_attention(qg, k, v)  # [B, G, H/G, D]
+        if m == 1 and mask is None:
+            y = self._attend_one(q, k, v, compiling)  # [B, H, 1, D]
+        elif (start > 0 and bsz == 1 and not compiling and (mask is None or mask.dim() == 2)
+              and q.dtype in ROW_INVARIANT_DTYPES and q.device.type == "cpu"):
+            # k-token verification in bf16/fp16: each row exactly as a one-token step computes it (its
+            # own key length, the same call), because SDPA's bits for a row change with the row count
+            # and bf16 rounds those into different logits (see gguf_codes.project for the linears)
+            y = torch.cat([self._attend_one(q[:, :, i:i + 1], k[:, :, :start + i + 1], v[:, :, :start + i + 1],
+                                            compiling) for i in range(m)], dim=2)  # [B, H, M, D]
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m > 1 and mask is None,
                                                enable_gqa=h != g)  # [B, H, M, D]
         return project(self.wo, y.reshape(bsz, h, m, self.head_dim).transpose(1, 2).reshape(bsz, m, h * self.head_dim))
+
+
+    def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, compiling: bool) -> Tensor:
+        """One query row per sequence, q [B, H, 1, D], over every cached row k, v [B, G, L, D] -> [B, H, 1, D]."""
+        bsz, h, g = q.shape[0], self.n_heads, self.n_kv
+        if h == g and not compiling:
+            return F.scaled_dot_product_attention(q, k, v)
+        # a kv head's H/G query heads are rows of one call, so K/V are not repeated per query head
+        qg = q.reshape(bsz, g, h // g, self.head_dim)  # [B, G, H/G, D]
+        if compiling:  # plain math: inductor maps it back to one SDPA call with fewer layout
+            # copies (22.2 vs 22.6-23.5 ms per compiled step)
+            y = ((qg @ k.transpose(-1, -2)) * self.head_dim ** -0.5).softmax(-1) @ v  # [B, G, H/G, D]
+        else:
+            y = F.scaled_dot_product_attention(qg, k, v)  # [B, G, H/G, D]
+        return y.reshape(bsz, h, 1, self.head_dim)
 
 
 class FeedForward(nn.Module):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES
 from polybasic.runtime.sampling import SamplingConfig, probs_from_logits, sample
 
 
@@ -87,14 +88,23 @@ class ModelLevel(Level):
         # reuse the cached prefix shared with this context, but always feed >= 1 context token so
         # the logits at the last context position (predicting draft[0]) are produced
         start = min(common_prefix(self.cached, context), len(context) - 1)
-        feed = torch.tensor([seq[start:]], dtype=torch.long, device=self.model.device)  # [1, M]
-        logits, hidden = self.model(feed, start)  # [1, M, V], [1, M, E]
+        c = self.counters
+        dev = self.model.device
+        if start == 0 and draft and getattr(self.model, "dtype", None) in ROW_INVARIANT_DTYPES:
+            # bf16/fp16: prefill the context alone, as vanilla decoding does, so its cached rows have
+            # vanilla's exact bits (a prefill's rows change with its length in reduced precision)
+            pre_logits, pre_hidden = self.model(torch.tensor([context], dtype=torch.long, device=dev), 0)
+            logits, hidden = self.model(torch.tensor([draft], dtype=torch.long, device=dev), len(context))
+            logits = torch.cat((pre_logits[:, -1:], logits), dim=1)  # [1, len(draft)+1, V]
+            hidden = torch.cat((pre_hidden, hidden), dim=1)  # [1, len(seq), E]
+            c.forwards += 1  # the extra forward is the prefill vanilla decoding runs too
+        else:
+            logits, hidden = self.model(torch.tensor([seq[start:]], dtype=torch.long, device=dev), start)  # [1, M, .]
         self.cached = seq
         self.hidden, self.hidden_start = hidden[0], start
         probs = probs_from_logits(logits[0, -(len(draft) + 1):], sampling)  # [len(draft)+1, V]
-        c = self.counters
         c.forwards += 1
-        c.tokens_fed += feed.shape[1]
+        c.tokens_fed += len(seq) - start
         c.time_s += time.perf_counter() - t0
         return probs
 
