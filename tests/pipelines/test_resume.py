@@ -22,7 +22,7 @@ from polybasic.cli import main
 from tests.helpers import tiny_hf_folder
 from tests.pipelines.test_quantize import _recipe as quantize_recipe
 
-TIMINGS = {"calib_s", "wall_s", "latency_ms"}  # measured durations: the only figures that may differ
+TIMINGS = {"run_id", "calib_s", "wall_s", "latency_ms"}  # durations and run ids: the only values that may differ
 
 
 def run_killed(argv: list[str], kill_at: str, tmp_path: Path) -> str:
