@@ -105,7 +105,8 @@ def summarize(records: list[Record], greedy: bool, predicted: dict[str, float | 
             gc["speedup"] = _ratio(gc["tokens_per_s"], base_cat[c]["tokens_per_s"])
             g["per_category"][c] = gc
         out[m] = g
-    fastest = out[fastest_vanilla(out)]["tokens_per_s"] if fastest_vanilla(out) else 0.0
+    best = fastest_vanilla(out)
+    fastest = out[best]["tokens_per_s"] if best else 0.0
     for g in out.values():
         g["speedup_vs_fastest_vanilla"] = _ratio(g["tokens_per_s"], fastest)
     return out
