@@ -35,6 +35,7 @@ class BlockCodes:
     codes: Tensor  # [N, K/g, g] uint8 (Q4_1, Q5_1, Q4_K, Q5_K) or int8 (Q4_0, Q5_0, Q8_0, Q6_K: signed)
     scale: Tensor  # [N, K/g, 1] fp32
     minimum: Tensor | None  # [N, K/g, 1] fp32 added after the product (Q4_K, Q5_K: -dmin*m), else None
+    kind: str = ""  # the GGUF block type, e.g. "Q4_K"
 
     def dequantize(self) -> Tensor:
         """[N, K] fp32, the values gguf (and so transformers) expands the tensor to."""
@@ -127,7 +128,7 @@ def _parse(kind: str, raw: np.ndarray, n: int, k: int) -> BlockCodes:
     codes, scale, minimum = _blocks(kind, raw)
     g = codes.shape[-1]
     as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).view(n, k // g, -1)  # noqa: E731
-    return BlockCodes(as_t(codes), as_t(scale), None if minimum is None else as_t(minimum))
+    return BlockCodes(as_t(codes), as_t(scale), None if minimum is None else as_t(minimum), kind)
 
 
 def read_codes(path: str | Path) -> list[BlockCodes]:

@@ -101,6 +101,13 @@ def _key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _files(spelling: str) -> list:
+    """(path, bytes, mtime) of every file a level spelling names, so a cached measurement of a level
+    is not reused after its file was rewritten (a re-quantized copy, a retrained head)."""
+    parts = {p for piece in spelling.split("+") for p in (piece, piece.partition(":")[2]) if p}
+    return sorted((p, Path(p).stat().st_size, Path(p).stat().st_mtime_ns) for p in parts if Path(p).is_file())
+
+
 def _cached(work: Path, key: str, what: str, measure, to_dict, from_dict):
     """A measurement from its cache file, or measured now and cached (atomically)."""
     path = work / f"{key}.json"
@@ -114,12 +121,12 @@ def _cached(work: Path, key: str, what: str, measure, to_dict, from_dict):
 
 
 def run_stage(ctx) -> list[Path]:
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance
     from polybasic.planner.profile import CostCurve, PairProfile, Profile
     from polybasic.runtime.chainspec import KINDS, parse_level_spec
-    from polybasic.runtime.levels import ModelLevel
+    from polybasic.runtime.levels import ModelLevel, kv_compatible
     from polybasic.runtime.sampling import SamplingConfig
     from polybasic.runtime.text import encode_prompt, eos_ids
     from polybasic._lazy import load_entry
@@ -145,15 +152,19 @@ def run_stage(ctx) -> list[Path]:
     settings = {"context": sec.context, "reps": sec.reps, "tokens": tokens}
     profiled = {}
     for n, lv in levels.items():
-        curve = _cached(work, "cost-" + _key(spell[n], settings), f"cost curve of {spell[n]}",
+        curve = _cached(work, "cost-" + _key(spell[n], _files(spell[n]), settings), f"cost curve of {spell[n]}",
                         lambda lv=lv: cost_curve(lv, tokens, sec.context, sec.reps), asdict,
                         lambda d: CostCurve(**d))
+        if n != "target" and isinstance(lv, ModelLevel) and kv_compatible(lv.model, lm.model):
+            # a chain hands it the target's K/V of the prompt (Chain.share_prompt_kv): no prefill of its own
+            curve = replace(curve, prefill_ms=0.0)
         profiled[n] = level_profile(lv, curve)
     pairs = []
     eos = eos_ids(lm.tokenizer)
     for v, d in _pairs(profiled):
         acc = {"k": sec.k, "prompts": prompts, "sampling": asdict(sampling), "max_new_tokens": sec.max_new_tokens}
-        pairs.append(_cached(work, "pair-" + _key(spell[v], spell[d], acc), f"acceptance {spell[v]} <- {spell[d]}",
+        key = _key(spell[v], spell[d], _files(spell[v]), _files(spell[d]), acc)
+        pairs.append(_cached(work, "pair-" + key, f"acceptance {spell[v]} <- {spell[d]}",
                              lambda v=v, d=d: pair_acceptance(levels[v], levels[d], prompts, sec.k, sampling,
                                                               sec.max_new_tokens, eos),
                              asdict, lambda x: PairProfile(**x)))

@@ -29,6 +29,7 @@ from polybasic.artifacts import announce, clean_and_announce, write_text
 from polybasic.errors import ConfigError
 from polybasic.pipelines.recipe import Recipe, dump_recipe, to_dict
 from polybasic.quant.calibrate import build_quantized_model, calibrate, parse_scheme
+from polybasic.quant.config import UNTRAINED
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
     eval_tok = token_windows(lm.tokenizer, records[-q.holdout:], q.eval_seq_len, q.eval_windows)
     if eval_tok.shape[0] == 0:
         raise ConfigError("quantize.eval_seq_len: held-out text is shorter than one window; lower it")
+    codes = gguf_codes(lm, recipe) if "gguf" in {*q.methods, cal.method} else None
     fp_ppl, _, fp_argmax = evaluate(fp, eval_tok)
     data_fp = _fingerprint(recipe.model.source, q.data, q.holdout, cal.seq_len, cal.n_samples)
     cells = [(s, m) for s in q.schemes for m in q.methods]
@@ -170,7 +172,7 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
         w, a, g, method = key
         ccfg = replace(cal, method=method, w_bits=w, a_bits=a, group_size=g)
         # with the transforms off (a16), omniquant and affinequant are the same clipping-only run
-        same = replace(ccfg, method="omniquant") if method != "rtn" and not ccfg.uses_transforms else ccfg
+        same = replace(ccfg, method="omniquant") if method not in UNTRAINED and not ccfg.uses_transforms else ccfg
         cell = out / "work" / f"w{w}a{a}-g{g}-{same.method}-{_fingerprint(same.to_dict(), data_fp)}"
         done, is_main = cell / "result.json", key == main_key
         row = json.loads(done.read_text()) if done.is_file() else None
@@ -184,7 +186,7 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
                 announce(f"resumed: blocks {_ranges(reused)} of {len(res)} of cell {label} from {cell}")
             if row is None:
                 t_cal = time.perf_counter() - t0
-                qm = build_quantized_model(fp, res, ccfg.quant_config("dequant"))
+                qm = build_quantized_model(fp, res, ccfg.quant_config("dequant"), codes=codes)
                 ppl, agree, _ = evaluate(qm, eval_tok, fp_argmax)
                 row = {"scheme": f"w{w}a{a}", "group_size": g, "ppl": ppl,
                        "top1_agree": agree, "calib_s": round(t_cal, 1)}
@@ -193,12 +195,23 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
         rows[key] = row
         log.info("w%da%d-g%d %s: ppl %.3f agree %.4f", w, a, g, method, row["ppl"], row["top1_agree"])
         if is_main:
-            report = {**base, **_save_and_time(fp, res, recipe, out, row, eval_tok, fp_argmax)}
+            report = {**base, **_save_and_time(fp, res, recipe, out, row, eval_tok, fp_argmax, codes)}
         report.update(rows=[rows[k] for k in keys if k in rows], done_cells=f"{len(rows)}/{len(set(keys) | {main_key})}",
                       wall_s=round(time.perf_counter() - t_start, 1))
         write_text(out / "report.json", json.dumps(report, indent=2))
         write_text(out / "report.md", render_report(report))
     return report
+
+
+def gguf_codes(lm, recipe: Recipe):
+    """The GGUF codes of the model (method 'gguf'), or a ConfigError naming the field if it has none."""
+    from polybasic.quant.from_gguf import GGUFCodes
+
+    if lm.gguf_file is None:
+        raise ConfigError(f"quantize.calib.method / quantize.methods: 'gguf' keeps the codes of the GGUF "
+                          f"file a model was converted from; {recipe.model.source} has none; use rtn")
+    announce(f"reading the 4-bit codes of {lm.gguf_file}")
+    return GGUFCodes.read(lm.gguf_file)
 
 
 def _ranges(idx: list[int]) -> str:
@@ -212,7 +225,7 @@ def _ranges(idx: list[int]) -> str:
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
-def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_argmax) -> dict:
+def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_argmax, codes=None) -> dict:
     """Save the recipe's model with its execution kernel; evaluate it as deployed; time it against
     fp32 / bf16 (cached)."""
     from dataclasses import replace
@@ -225,7 +238,7 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
 
     q, cal = recipe.quantize, recipe.quantize.calib
     qconf = replace(cal.quant_config(q.kernel), quantize_lm_head=q.quantize_lm_head)
-    main = build_quantized_model(fp, res, qconf, parse_dtype(q.exec_dtype))
+    main = build_quantized_model(fp, res, qconf, parse_dtype(q.exec_dtype), codes=codes)
     save_quantized(main, out / "model.safetensors", qconf, recipe.model.source)
     dep_ppl, dep_agree, _ = evaluate(main, eval_tok, fp_argmax)
     cached = out / "work" / f"latency-{_fingerprint(to_dict(recipe))}.json"
@@ -235,7 +248,7 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
         lat = json.loads(cached.read_text())
         announce(f"reused: latency table {cached}")
     else:
-        emul = build_quantized_model(fp, res, cal.quant_config("dequant"))
+        emul = build_quantized_model(fp, res, cal.quant_config("dequant"), codes=codes)
         models = {"fp32": use_decode_layout(copy.deepcopy(fp)), "bf16": use_decode_layout(build_bf16(fp)),
                   f"{qconf.name} {q.kernel} ({q.exec_dtype})": main,
                   f"{cal.quant_config('dequant').name} dequant emulation (fp32)": emul}
@@ -247,7 +260,8 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
     return {"latency_ms": lat, "main": {"scheme": qconf.name, "method": cal.method, "kernel": q.kernel,
                                         "dtype": q.exec_dtype, "lm_head_quantized": q.quantize_lm_head,
                                         "ppl": row["ppl"], "top1_agree": row["top1_agree"],
-                                        "deployed_ppl": dep_ppl, "deployed_top1_agree": dep_agree}}
+                                        "deployed_ppl": dep_ppl, "deployed_top1_agree": dep_agree,
+                                        "gguf_code_fraction": None if codes is None else round(codes.exact_fraction, 4)}}
 
 
 def build_bf16(model):
@@ -278,9 +292,9 @@ def render_report(r: dict) -> str:
     m = r["main"]
     if not r["latency_ms"]:
         lines += ["", f"Recipe model: {m['method']} {m['scheme']}, kernel {m['kernel']} in {m['dtype']}, LM head "
-                      f"{'quantized too (RTN)' if m.get('lm_head_quantized') else 'kept in ' + m['dtype']}: "
+                      f"{'quantized too' if m.get('lm_head_quantized') else 'kept in ' + m['dtype']}: "
                       f"deployed perplexity {m['deployed_ppl']:.3f}, top-1 agreement {m['deployed_top1_agree']:.4f}. "
-                      "No latency table (quantize.latency_reps: 0).",
+                      f"{_codes_note(m)}No latency table (quantize.latency_reps: 0).",
                   "", "## The shipped model", "", r["gguf_note"], "",
                   f"Cells done: {r['done_cells']}. Wall time of the stage so far: {r['wall_s']} s."]
         return "\n".join(lines) + "\n"
@@ -298,14 +312,21 @@ def render_report(r: dict) -> str:
     lines += ["", f"Recipe model: {m['method']} {m['scheme']} (calibrated with its activation bits), executed "
                   f"with kernel {m['kernel']} in {m['dtype']} (weight-only at run time: activations are not "
                   f"quantized by this kernel), LM head "
-                  f"{'quantized too (RTN)' if m.get('lm_head_quantized') else 'kept in ' + m['dtype']}. "
+                  f"{'quantized too' if m.get('lm_head_quantized') else 'kept in ' + m['dtype']}. "
                   f"As deployed it scores perplexity {m['deployed_ppl']:.3f} and top-1 agreement "
-                  f"{m['deployed_top1_agree']:.4f} on the held-out text. Decode step (M={ks[0]}) = "
+                  f"{m['deployed_top1_agree']:.4f} on the held-out text. {_codes_note(m)}Decode step (M={ks[0]}) = "
                   f"{ratio:.2f}x the fp32 step: {'<= 0.5x' if ratio <= 0.5 else 'NOT <= 0.5x'}.",
               *_int8mm_verdict(lat, ks[0], f1),
               "", "## The shipped model is already 4-bit", "", r["gguf_note"], "",
               f"Cells done: {r['done_cells']}. Wall time of the stage so far: {r['wall_s']} s."]
     return "\n".join(lines) + "\n"
+
+
+def _codes_note(m: dict) -> str:
+    """Method 'gguf': how many quantized weights keep the file's own codes (empty otherwise)."""
+    f = m.get("gguf_code_fraction")
+    return "" if f is None else (f"{100 * f:.1f}% of the quantized weights keep the GGUF file's own 4-bit "
+                                 "codes; the rest are rounded to 4 bits (groups of 32, float zero points). ")
 
 
 def _int8mm_verdict(lat: dict, k: int, fp: float) -> list[str]:

@@ -149,9 +149,10 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
     for i, prompt in enumerate(prompts):
         g = make_generator(seed + i, dev) if not sampling.greedy else None
         _, st = chain.generate(list(prompt), max_new_tokens, sampling, g)
-        link.accepted += st.links[0].accepted
-        link.drafted += st.links[0].drafted
-        inner += st.links[0].drafted[:-1]
+        skip = 1 if st.prompt_shared else 0  # the token the target committed from its prefill: no draft
+        link.accepted += st.links[0].accepted[skip:]
+        link.drafted += st.links[0].drafted[skip:]
+        inner += st.links[0].drafted[skip:-1]
         outside_s += st.wall_s - sum(lv["time_s"] for lv in st.levels)
     s = link.summary()
     n = s["verifications"]

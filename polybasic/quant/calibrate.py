@@ -24,17 +24,21 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+if TYPE_CHECKING:
+    from polybasic.quant.from_gguf import GGUFCodes
+
 from polybasic.artifacts import fault_point, seed_for, torch_save
 from polybasic.errors import ConfigError, PolybasicError, check
 from polybasic.models.families import block_for
 from polybasic.models.llama import NoCache, rope_tables, use_decode_layout
-from polybasic.quant.config import BITS, METHODS, QuantConfig
+from polybasic.quant.config import BITS, METHODS, UNTRAINED, QuantConfig
 from polybasic.quant.linear import KERNEL_CLASSES, choose_kernel
 from polybasic.quant.primitives import (fake_quantize_activation, fake_quantize_weight,
                                         quantize_weight, resolve_group_size)
@@ -57,7 +61,7 @@ class CalibrationDiverged(PolybasicError):
 
 @dataclass
 class CalibrationConfig:
-    method: str = "affinequant"  # rtn | omniquant | affinequant
+    method: str = "affinequant"  # rtn | omniquant | affinequant | gguf (the GGUF file's codes: quant.from_gguf)
     w_bits: int = 4
     a_bits: int = 4
     group_size: int = 64
@@ -98,7 +102,7 @@ class CalibrationConfig:
 
     @property
     def uses_transforms(self) -> bool:
-        return self.method != "rtn" and (self.a_bits < 16 or self.transforms_weight_only)
+        return self.method not in UNTRAINED and (self.a_bits < 16 or self.transforms_weight_only)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -229,9 +233,9 @@ def check_group_sizes(model: nn.Module, cfg: CalibrationConfig) -> None:
 
 def init_params(fp: dict[str, Tensor], stats: dict[str, Tensor], cfg: CalibrationConfig,
                 n_kv: int, head_dim: int) -> dict[str, Tensor]:
-    """Leaf tensors to learn for one block (empty for rtn)."""
+    """Leaf tensors to learn for one block (empty for rtn and gguf)."""
     p: dict[str, Tensor] = {}
-    if cfg.method == "rtn":
+    if cfg.method in UNTRAINED:
         return p
     if cfg.uses_transforms:
         for lin, key in (("wqkv", "s_attn"), ("w13", "s_ffn")):
@@ -298,7 +302,7 @@ def calibrate(model: nn.Module, tokens: Tensor, cfg: CalibrationConfig, work_dir
     with torch.no_grad():
         fp_x = model.tok_embeddings(tokens).float()  # [N, L, E]
     q_x = fp_x.clone()
-    train = cfg.method != "rtn" and cfg.epochs > 0
+    train = cfg.method not in UNTRAINED and cfg.epochs > 0
     bar = tqdm(total=len(model.layers) * (cfg.epochs if train else 1), disable=not progress,
                desc=f"calibrate {cfg.method} w{cfg.w_bits}a{cfg.a_bits}", unit="block-epoch")
     full_mask = band_mask(d, d, cfg.stability)
@@ -415,13 +419,25 @@ def _copy_without_block_linears(model: nn.Module) -> nn.Module:
 
 
 def build_quantized_model(model: nn.Module, results: list[dict], config: QuantConfig,
-                          dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+                          dtype: torch.dtype = torch.float32, device: str = "cpu",
+                          codes: "GGUFCodes | None" = None) -> nn.Module:
     """A copy of model with the calibrated (transformed) norms and real quantized linears.
 
     The codes come from quantize_weight with the learned clipping, so the real model computes the
-    calibrated fake-quantized block exactly (up to the kernel's arithmetic). The LM head stays
-    as it is unless config.quantize_lm_head (then: untied from the embedding, round-to-nearest).
+    calibrated fake-quantized block exactly (up to the kernel's arithmetic); for method 'gguf' from
+    `codes` (the model's GGUF file, quant.from_gguf). The LM head stays as it is unless
+    config.quantize_lm_head (then: untied from the embedding, quantized the same way, no clipping).
     """
+    if config.method == "gguf" and codes is None:
+        raise ConfigError("method 'gguf' needs the model's GGUF codes (GGUFCodes.read(path)); "
+                          "pass codes= or use method rtn")
+
+    def quantize(w: Tensor, p: dict, key: str, name: str) -> tuple[Tensor, Tensor, Tensor]:
+        if codes is not None:
+            return codes.quantize(w, name)
+        return quantize_weight(w, config.w_bits, config.group_size, config.w_symmetric,
+                               p.get(f"{key}.gamma"), p.get(f"{key}.beta"), name)
+
     qm = _copy_without_block_linears(model).to(device=device, dtype=dtype)
     for i, (block, res) in enumerate(zip(qm.layers, results)):
         w, p = res["weights"], res["params"]
@@ -429,22 +445,27 @@ def build_quantized_model(model: nn.Module, results: list[dict], config: QuantCo
             block.get_submodule(fqn).weight.data = w[key].to(device=device, dtype=dtype)
         for key, fqn in LINEARS.items():
             name = f"layers.{i}.{fqn}"
-            q, scale, zero = quantize_weight(w[key], config.w_bits, config.group_size, config.w_symmetric,
-                                             p.get(f"{key}.gamma"), p.get(f"{key}.beta"), name)
-            out, k = q.shape
-            kernel = choose_kernel(config, k, out, torch.device(device), name, dtype)
             bias = w.get(f"{key}_bias")
-            mod = KERNEL_CLASSES[kernel].from_quantized(q.to(device), scale.to(device), zero.to(device), config,
-                                                        None if bias is None else bias.to(device, dtype), name)
+            mod = _real_linear(quantize(w[key], p, key, name), config, dtype, device,
+                               None if bias is None else bias.to(device, dtype), name)
             parent, _, attr = fqn.rpartition(".")
             setattr(block.get_submodule(parent), attr, mod)
-    if config.quantize_lm_head:
-        from polybasic.quant.api import quantize_
-
-        qm.output = copy.deepcopy(qm.output)  # own weight: the embedding keeps the float table
-        quantize_(qm, config, filter_fn=lambda mod, fqn: fqn == "output")
+    if config.quantize_lm_head:  # own weight: the embedding keeps the float table
+        head = model.output
+        qm.output = _real_linear(quantize(head.weight.detach().float(), {}, "output", "output"), config,
+                                 dtype, device, None if head.bias is None else head.bias.to(device, dtype), "output")
     use_decode_layout(qm)  # float linears left over (the head) get the layout for their new dtype
     return qm.eval().requires_grad_(False)
+
+
+def _real_linear(qsz: tuple[Tensor, Tensor, Tensor], config: QuantConfig, dtype: torch.dtype, device: str,
+                 bias: Tensor | None, name: str) -> nn.Module:
+    """The kernel module (chosen for shape, device and dtype) of codes, scale, zero (q [out, in])."""
+    q, scale, zero = qsz
+    out, k = q.shape
+    kernel = choose_kernel(config, k, out, torch.device(device), name, dtype)
+    return KERNEL_CLASSES[kernel].from_quantized(q.to(device), scale.to(device), zero.to(device), config,
+                                                 bias, name)
 
 
 __all__ = ["CalibrationConfig", "CalibrationDiverged", "calibrate", "build_quantized_model",

@@ -5,7 +5,9 @@ model calibrated with AffineQuant can run on a CPU as int4-weight x bf16-activat
 
 Integer codes are signed for every mode: q in [-2^(b-1), 2^(b-1)-1], value = (q - zero) * scale.
 Symmetric modes have zero = 0 and scale = absmax / (2^(b-1)-1); asymmetric modes use the full
-range with an integer zero point. Activations are quantized per token, dynamically (at run time).
+range with an integer zero point. Method 'gguf' keeps a GGUF file's own 4-bit codes (quant.from_gguf),
+whose group minimums are not multiples of the scale: its zero points are floats (`float_zero`).
+Activations are quantized per token, dynamically (at run time).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from polybasic.errors import ConfigError, check
 
 QUANT_CONFIG_VERSION = 1
 BITS = (4, 8, 16)
-METHODS = ("rtn", "omniquant", "affinequant")
+METHODS = ("rtn", "omniquant", "affinequant", "gguf")
+UNTRAINED = ("rtn", "gguf")  # methods that learn nothing: calibration only propagates the blocks
 KERNELS = ("auto", "int4pack", "int8mm", "dequant")
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -59,6 +62,13 @@ class QuantConfig:
               f"use one of {METHODS}")
         check(self.kernel in KERNELS, f + "kernel", f"unknown kernel {self.kernel!r}",
               f"use one of {KERNELS}")
+        if self.method == "gguf":
+            check(self.w_bits == 4 and g == 32 and not self.w_symmetric, f + "method",
+                  f"'gguf' keeps the file's 4-bit codes in groups of 32 (asymmetric), got "
+                  f"w_bits={self.w_bits}, group_size={g}, w_symmetric={self.w_symmetric}",
+                  "set w_bits: 4, group_size: 32, w_symmetric: false, or use method rtn")
+            check(self.kernel != "int8mm", f + "kernel", "'int8mm' needs integer zero points; method "
+                  "'gguf' has float ones", "use kernel: int4pack, dequant or auto")
         if self.kernel == "int4pack":
             check(self.w_bits == 4, f + "kernel", f"'int4pack' needs w_bits=4, got {self.w_bits}",
                   "set w_bits: 4 or kernel: dequant")
@@ -71,6 +81,11 @@ class QuantConfig:
                   "use kernel: int4pack (weight-only) or dequant")
             check(g == -1, f + "group_size", f"kernel 'int8mm' needs per-channel weights, got {g}",
                   "set group_size: -1 or kernel: dequant")
+
+    @property
+    def float_zero(self) -> bool:
+        """Zero points are fp32 (any real offset), not integers: method 'gguf'."""
+        return self.method == "gguf"
 
     @property
     def name(self) -> str:

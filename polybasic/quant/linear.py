@@ -4,7 +4,7 @@ Every module keeps the same portable, kernel-independent persistent state, so on
 with any kernel (calibrate on one machine, execute with another kernel elsewhere):
   qweight  [out, in/2] uint8 (two signed 4-bit codes per byte, see primitives.pack_int4) for
            w_bits=4, or [out, in] int8 for w_bits=8
-  scale    [out, G] fp32      zero [out, G] int8      bias [out] (optional)
+  scale    [out, G] fp32      zero [out, G] int8 (fp32 when config.float_zero)      bias [out] (optional)
 Kernel-specific layouts are non-persistent buffers rebuilt by `prepare()` after construction and
 after every load_state_dict (a post-hook), so meta-device build + load(assign=True) works.
 
@@ -64,7 +64,8 @@ class QuantLinear(nn.Module):
         qdtype = torch.uint8 if self.w_bits == 4 else torch.int8
         self.register_buffer("qweight", torch.zeros(qshape, dtype=qdtype, device=device))
         self.register_buffer("scale", torch.ones(out_features, n_groups, device=device))
-        self.register_buffer("zero", torch.zeros(out_features, n_groups, dtype=torch.int8, device=device))
+        self.zero_dtype = torch.float32 if config.float_zero else torch.int8
+        self.register_buffer("zero", torch.zeros(out_features, n_groups, dtype=self.zero_dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device),
                                  requires_grad=False) if bias else None
         self.register_load_state_dict_post_hook(lambda mod, _keys: mod.prepare())
@@ -89,7 +90,7 @@ class QuantLinear(nn.Module):
                               f"{tuple(mod.scale.shape)}); quantize with the same config")
         # stored contiguous whatever the float weight's layout, so a saved and reloaded copy is the same tensor
         mod.qweight = (pack_int4(q) if config.w_bits == 4 else q.to(torch.int8)).contiguous()
-        mod.scale, mod.zero = scale.float().contiguous(), zero.to(torch.int8).contiguous()
+        mod.scale, mod.zero = scale.float().contiguous(), zero.to(mod.zero_dtype).contiguous()
         if bias is not None:
             mod.bias.data.copy_(bias.detach())
         mod.prepare()
@@ -234,6 +235,8 @@ class Int8MMLinear(QuantLinear):
             return f"needs w_bits and a_bits <= 8, got w{config.w_bits}a{config.a_bits}"
         if config.group_size != -1 and config.group_size != in_features:
             return f"needs per-channel weights (group_size -1), got {config.group_size}"
+        if config.float_zero:
+            return "needs integer zero points (method 'gguf' has float ones)"
         if torch.device(device).type == "cuda" and (in_features % 8 or out_features % 8):
             return "cuda needs in_features and out_features multiples of 8"
         return None

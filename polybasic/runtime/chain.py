@@ -10,6 +10,7 @@ proposal distributions the level above must verify against. The target's rounds 
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 
@@ -18,19 +19,22 @@ from torch import Tensor
 
 from polybasic.errors import ConfigError, check
 from polybasic.runtime.generate import check_request
-from polybasic.runtime.levels import Level
-from polybasic.runtime.sampling import SamplingConfig, check_generator
+from polybasic.runtime.levels import Level, ModelLevel, kv_compatible
+from polybasic.runtime.sampling import SamplingConfig, check_generator, sample
 from polybasic.runtime.stats import ChainStats, LinkStats
 from polybasic.runtime.verify import speculative_verify
 
 
 class Chain:
     def __init__(self, levels: Sequence[Level], k: int = 5, thresholds: Sequence[int] | None = None,
-                 eos: set[int] | frozenset[int] = frozenset(), adaptive_k: bool = False) -> None:
+                 eos: set[int] | frozenset[int] = frozenset(), adaptive_k: bool = False,
+                 share_prompt_kv: bool = True) -> None:
         """levels: target first, bottom proposer last. thresholds: one per middle level
         (levels[1:-1]); default k + 1 each. adaptive_k: the bottom level's draft length starts at
         k and moves between 1 and k with its acceptance (+2 after a fully accepted draft, -1 after
-        a rejection); it depends only on past verifications, so decoding stays lossless."""
+        a rejection); it depends only on past verifications, so decoding stays lossless.
+        share_prompt_kv: levels whose caches match the target's (a quantized copy of it) take the
+        target's K/V of the prompt instead of prefilling it (see _share_prompt)."""
         levels = list(levels)
         check(len(levels) >= 2, "levels", f"a chain needs at least 2 levels, got {len(levels)}",
               "pass [target, drafter, ...]")
@@ -59,6 +63,7 @@ class Chain:
         self.levels, self.k, self.thresholds = levels, k, [None] + thresholds + [None]
         self.eos = frozenset(eos)
         self.adaptive_k = adaptive_k
+        self.share_prompt_kv = share_prompt_kv
         self.stats = ChainStats()
 
     # -- public API -----------------------------------------------------------------------------
@@ -79,7 +84,14 @@ class Chain:
         st.links = [LinkStats(a.name, b.name) for a, b in zip(self.levels, self.levels[1:])]
         st.stop_reason = "max_new_tokens" if budget == max_new_tokens else "context_window"
         try:
-            for new, _ in self._rounds(0, list(prompt), budget):
+            context = list(prompt)
+            first = self._share_prompt(context)
+            if first is not None:
+                st.links[0].record(0, 0)  # a target forward over an empty draft: one token
+                st.prompt_shared = True
+                context.append(first)
+            rounds = self._rounds(0, context, budget - len(context) + len(prompt))
+            for new in itertools.chain([[first]] if first is not None else [], (new for new, _ in rounds)):
                 for tok in new:
                     st.new_tokens += 1
                     st.wall_s = time.perf_counter() - t0
@@ -97,6 +109,32 @@ class Chain:
         return tokens, self.stats
 
     # -- the algorithm ----------------------------------------------------------------------------
+    def _takers(self) -> list[ModelLevel]:
+        """The levels that can take the target's K/V of the prompt: model levels whose caches match
+        the target's, unless an EAGLE head drafts on their features (it needs their prompt rows)."""
+        target = self.levels[0]
+        if not (self.share_prompt_kv and isinstance(target, ModelLevel)):
+            return []
+        below = self.levels[2:] + [None]
+        return [lvl for lvl, nxt in zip(self.levels[1:], below)
+                if isinstance(lvl, ModelLevel) and kv_compatible(lvl.model, target.model)
+                and getattr(nxt, "base", None) is not lvl]
+
+    def _share_prompt(self, prompt: list[int]) -> int | None:
+        """If some level can take the target's K/V of the prompt (_takers), the target prefills the
+        prompt first, as vanilla decoding does, and commits the next token from that distribution
+        itself (exactly vanilla's first step: greedy argmax or one sample); the takers copy the
+        prompt's K/V instead of running their own prefill. Returns that token, or None (no taker)."""
+        takers = self._takers()
+        if not takers:
+            return None
+        target = self.levels[0]
+        p = target.score(prompt, [], self.sampling)[0]  # [V] the target's distribution after the prompt
+        tok = int(p.argmax()) if self.sampling.greedy else int(sample(p, self.generator))
+        for lvl in takers:
+            lvl.adopt_prefix(target, len(prompt))
+        return tok
+
     def _rounds(self, i: int, context: list[int], cap: int) -> Iterator[tuple[list[int], Tensor]]:
         """Verification rounds of level i (< n) after `context`, at most `cap` tokens in all.
         Yields (new tokens, level i's distributions at their positions [len, V])."""

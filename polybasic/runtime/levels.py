@@ -82,6 +82,24 @@ class ModelLevel(Level):
         self.cached = []
 
     @torch.inference_mode()
+    def adopt_prefix(self, source: "ModelLevel", n: int) -> bool:
+        """Copy the K/V of positions 0..n-1 from `source`'s cache into this level's, instead of
+        prefilling them itself; e.g. a quantized copy of the target takes the target's keys and values
+        of the prompt (its prefill of a long prompt costs as much as the target's). Only this level's
+        own distributions change, never what a chain commits: the level above verifies them. Returns
+        False, doing nothing, when the two models' caches differ in shape or RoPE (kv_compatible)."""
+        if len(source.cached) < n or not kv_compatible(self.model, source.model):
+            return False
+        for mine, theirs in zip(self.model.layers, source.model.layers):
+            a, b = mine.attention.kv_cache, theirs.attention.kv_cache
+            if a.k.shape[2] < n:
+                return False
+            a.k[:, :, :n].copy_(b.k[:, :, :n])  # [B, G, n, D]
+            a.v[:, :, :n].copy_(b.v[:, :, :n])
+        self.cached, self.hidden = list(source.cached[:n]), None
+        return True
+
+    @torch.inference_mode()
     def score(self, context: list[int], draft: list[int], sampling: SamplingConfig) -> Tensor:
         t0 = time.perf_counter()
         seq = context + draft
@@ -120,6 +138,18 @@ class ModelLevel(Level):
             if tok in eos:
                 break
         return tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+
+
+def kv_compatible(a, b) -> bool:
+    """Whether lean decoders a and b cache keys and values alike: the same layer count, KV heads, head
+    size, RoPE, dtype and device (a quantized copy of a model and the model itself), and not one model.
+    Decided from their configurations, before any cache is allocated."""
+    if a is b or not (hasattr(a, "args") and hasattr(b, "args") and hasattr(a, "layers") and hasattr(b, "layers")):
+        return False
+    fields = ("n_layers", "n_kv_heads", "head_dim", "rope_theta", "max_seq_len")
+    if any(getattr(a.args, f, None) != getattr(b.args, f, None) for f in fields):
+        return False
+    return a.dtype == b.dtype and a.device == b.device  # the caches' dtype (and the RoPE tables')
 
 
 class NGramLevel(Level):

@@ -42,6 +42,7 @@ class ChainStats:
     stop_reason: str = ""
     levels: list[dict] = field(default_factory=list)  # name, forwards, time_s, tokens_fed
     links: list[LinkStats] = field(default_factory=list)
+    prompt_shared: bool = False  # the target prefilled first and committed token 1 (links[0]'s first record: no draft)
 
     @property
     def target_forwards(self) -> int:
@@ -59,5 +60,5 @@ class ChainStats:
     def to_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "prompt_tokens": self.prompt_tokens,
                 "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "tau": self.tau,
-                "stop_reason": self.stop_reason, "levels": self.levels,
+                "stop_reason": self.stop_reason, "prompt_shared": self.prompt_shared, "levels": self.levels,
                 "links": [link.summary() for link in self.links]}

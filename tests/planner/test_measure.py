@@ -56,7 +56,9 @@ def test_identical_drafter_accepts_everything():
     hf = tiny_hf_llama(seed=3, vocab=64, init_std=0.2)
     verifier, drafter = ModelLevel(lean_from_hf(hf), "v"), ModelLevel(lean_from_hf(hf), "d")
     k = 4
-    pair = pair_acceptance(verifier, drafter, [[5, 6, 7], [9, 2]], k, max_new_tokens=3 * (k + 1))
+    # the drafter has the verifier's cache layout: it takes the prompt's K/V and the verifier commits
+    # the first token from its prefill (not counted as a verification), then 3 full drafts
+    pair = pair_acceptance(verifier, drafter, [[5, 6, 7], [9, 2]], k, max_new_tokens=3 * (k + 1) + 1)
     assert pair.mean_accepted_length == k + 1 and pair.rate == 1.0 and pair.draft_fill == 1.0
     assert pair.histogram == {k + 1: 6} and pair.verifications == 6 and pair.overhead_ms >= 0
 

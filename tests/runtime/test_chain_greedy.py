@@ -5,6 +5,7 @@ import torch
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel, NGramLevel
+from polybasic.runtime.sampling import SamplingConfig
 from tests.helpers import TINY_HF, lean_from_hf, perturbed_copy, tiny_hf
 
 # init_std 0.2 gives models with structure; perturbations chosen for partial acceptance
@@ -76,3 +77,42 @@ def test_stats_are_consistent(models):
     assert [lv["name"] for lv in d["levels"]] == ["target", "close", "small"]
     assert all(lv["forwards"] > 0 and lv["time_s"] > 0 for lv in d["levels"])
     assert 0 < top["draft_acceptance_rate"] < 1  # the fixture really exercises partial acceptance
+
+
+def test_copies_of_the_target_take_its_prompt_kv_instead_of_prefilling(models):
+    """Levels with the target's cache layout (here perturbed copies) copy the target's K/V of the
+    prompt: they never feed a position of the prompt themselves, the target commits the first token
+    from its prefill, the output still equals vanilla's, and share_prompt_kv=False restores their
+    prefill. A level of another shape ("small") prefills as before."""
+
+    class Spy:  # the model, recording the start position of every forward
+        def __init__(self, model):
+            self.model, self.starts = model, []
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, tokens, start, **kw):
+            self.starts.append(start)
+            return self.model(tokens, start, **kw)
+
+    prompt = list(range(5, 45))  # 40 tokens
+    ref = list(generate_tokens(models["target"], prompt, 24, eos={1}))
+    for share in (True, False):
+        close, small = Spy(models["close"]), Spy(models["small"])
+        levels = [ModelLevel(models["target"], "target"), ModelLevel(close, "close"), ModelLevel(small, "small")]
+        out, stats = Chain(levels, k=3, eos={1}, share_prompt_kv=share).generate(prompt, 24)
+        assert out == ref
+        assert (min(close.starts) >= len(prompt)) == share
+        assert min(small.starts) == 0
+        assert sum(stats.links[0].accepted) + len(stats.links[0].accepted) == len(out)  # every token counted
+    # the copy's cache holds exactly the target's prompt K/V after the adoption
+    t, c = ModelLevel(models["target"], "target"), ModelLevel(models["close"], "close")
+    for lvl in (t, c):
+        lvl.start(64)
+    t.score(prompt, [], SamplingConfig())
+    assert c.adopt_prefix(t, len(prompt)) and c.cached == prompt
+    for a, b in zip(models["close"].layers, models["target"].layers):
+        assert torch.equal(a.attention.kv_cache.k[:, :, :40], b.attention.kv_cache.k[:, :, :40])
+        assert torch.equal(a.attention.kv_cache.v[:, :, :40], b.attention.kv_cache.v[:, :, :40])
+    assert not ModelLevel(models["small"], "small").adopt_prefix(t, len(prompt))  # other shapes: refused
