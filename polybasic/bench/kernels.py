@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 
@@ -105,10 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"$ python -m polybasic.bench.kernels {' '.join(argv if argv is not None else sys.argv[1:])}\n")
     print(table)
     if a.json:
-        from polybasic.artifacts import write_text
+        from polybasic.artifacts import write_json
 
-        write_text(a.json, json.dumps({"model": a.model, "context": a.context, "curves": curves,
-                                       "table": table}, indent=2))
+        write_json(a.json, {"model": a.model, "context": a.context, "curves": curves, "table": table}, indent=2)
     return 0
 
 

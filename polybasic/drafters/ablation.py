@@ -374,13 +374,12 @@ def train_variant(p: Planned) -> dict:
     decides). Returns {"wall_s": the stage's recorded wall seconds, "partial": True when the recorded
     run resumed an interrupted one (then wall_s undercounts), "run_id", "global_step", "sequences",
     "head"}."""
-    from polybasic.pipelines.run import RECORDS, run_recipe
+    from polybasic.pipelines.run import run_recipe, stage_record
 
-    record = p.folder / RECORDS / "distill.json"
-    before = _read_json(record).get("run_id")
+    before = (stage_record(p.folder, "distill") or {}).get("run_id")
     reused = _resumed(p.folder)  # an interrupted (or older) run's work the stage may reuse
     run_recipe(p.recipe_path, out_dir=p.folder, only=("distill",))
-    rec = _read_json(record)
+    rec = stage_record(p.folder, "distill") or {}
     info_path = p.folder / "train.json"
     if rec.get("run_id") != before:  # the stage ran (again) now
         info = {"run_id": rec["run_id"], "wall_s": rec["wall_s"], "partial": reused}

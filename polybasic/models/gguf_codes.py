@@ -185,6 +185,15 @@ def _stack_rows(tensors: list[BlockCodes], rows: list[int]) -> tuple[Tensor, Ten
     return torch.stack(codes), torch.stack(scale), torch.stack(minimum) if with_min else None
 
 
+def row_index(tensors: list[BlockCodes]) -> dict[int, tuple[int, int]]:
+    """{hash of a row's expanded fp32 values: (index in tensors, row)}, the first of equal rows."""
+    where: dict[int, tuple[int, int]] = {}
+    for ti, t in enumerate(tensors):
+        for ri, key in enumerate(_row_keys(t.dequantize())):
+            where.setdefault(key, (ti, ri))
+    return where
+
+
 def attach_codes(model: nn.Module, path: str | Path) -> int:
     """Give the model's fp32 linears `codes`, `code_scale`, `code_min` buffers from a GGUF file.
 
@@ -197,10 +206,7 @@ def attach_codes(model: nn.Module, path: str | Path) -> int:
     if not linears:
         return 0
     tensors = read_codes(path)
-    where: dict[int, tuple[int, int]] = {}  # hash of an fp32 row -> (tensor, row)
-    for ti, t in enumerate(tensors):
-        for ri, key in enumerate(_row_keys(t.dequantize())):
-            where.setdefault(key, (ti, ri))
+    where = row_index(tensors)
     done = 0
     for lin in linears:
         hits = [where.get(key) for key in _row_keys(lin.weight)]

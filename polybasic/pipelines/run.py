@@ -60,7 +60,8 @@ def fingerprint(st: Stage, recipe, upstream: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _record(out: Path, name: str) -> dict | None:
+def stage_record(out: Path, name: str) -> dict | None:
+    """The record a stage's last run left in out (None: none, or unreadable)."""
     path = out / RECORDS / f"{name}.json"
     try:
         return json.loads(path.read_text())
@@ -117,12 +118,12 @@ def run_recipe(recipe_path: str | Path, out_dir: str | Path | None = None,
     fps: dict[str, str] = {}  # what each stage's outputs are, for the stages downstream of it
     for st in STAGES:
         if st.name not in names:
-            rec = _record(out, st.name)  # a stage run before, on its own: its outputs feed this run
+            rec = stage_record(out, st.name)  # a stage run before, on its own: its outputs feed this run
             if rec:
                 fps[st.name] = _made(rec)
             continue
         fp = fingerprint(st, recipe, fps)
-        rec = _record(out, st.name)
+        rec = stage_record(out, st.name)
         if _done(out, rec, fp):
             fps[st.name] = _made(rec)
             announce(f"[{st.name}] skipped: its outputs match its inputs (fingerprint {fp[:12]})")

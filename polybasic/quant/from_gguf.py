@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from polybasic.models.gguf_codes import _row_keys, read_codes
+from polybasic.models.gguf_codes import _row_keys, read_codes, row_index
 from polybasic.quant.primitives import SCALE_EPS
 
 log = logging.getLogger(__name__)
@@ -61,22 +61,18 @@ class GGUFCodes:
     @classmethod
     def read(cls, path: str | Path) -> "GGUFCodes":
         self = cls(Path(path))
-        for t in read_codes(path):
-            if t.kind not in FOUR_BIT:
-                continue  # Q5_*, Q6_K, Q8_0: rounded to 4 bits by quantize()
+        four = [t for t in read_codes(path) if t.kind in FOUR_BIT]  # Q5_*, Q6_K, Q8_0: rounded by quantize()
+        for t in four:
             unsigned = t.kind != "Q4_0"  # Q4_1 / Q4_K: c in [0, 15] with a minimum; Q4_0: c - 8, none
             q = (t.codes.to(torch.int16) - 8).to(torch.int8) if unsigned else t.codes.to(torch.int8)
             s = t.scale.squeeze(-1)  # [N, K/32]; may be negative (d is any f16), only 0 is replaced
             s = torch.where(s == 0, torch.full_like(s, SCALE_EPS), s)
             # value = S*c + m = (q - zero) * S with q = c - 8  ->  zero = -8 - m / S
             m = t.minimum.squeeze(-1) if t.minimum is not None else torch.zeros_like(s)
-            zero = (-8 - m / s) if unsigned else torch.zeros_like(s)
-            ti = len(self.codes)
             self.codes.append(q)
             self.scale.append(s)
-            self.zero.append(zero)
-            for ri, key in enumerate(_row_keys(t.dequantize())):
-                self.where.setdefault(key, (ti, ri))
+            self.zero.append((-8 - m / s) if unsigned else torch.zeros_like(s))
+        self.where = row_index(four)
         log.info("%s: %d rows held as 4-bit codes", path, len(self.where))
         return self
 
