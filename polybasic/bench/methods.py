@@ -24,7 +24,7 @@ class Output:
     tokens: list[int]  # new tokens only
     wall_s: float
     tau: float | None = None  # new tokens per target forward (chain methods)
-    accepted: list[int] | None = None  # chain methods: the bottom link's accepted drafts per verification
+    accepted: list[int] | None = None  # chain methods: the bottom link's accepted drafts per non-empty draft
     links: dict[str, list[int]] | None = None  # chain methods: every link's, by name 'verifier<-drafter'
 
 
@@ -248,9 +248,12 @@ def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds
                           adaptive_k=ctx.adaptive_k if adaptive_k is None else adaptive_k)
             tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
                                            generator=gen)
-        links = {f"{ln.verifier}<-{ln.drafter}": list(ln.accepted) for ln in stats.links}
+        # per draft: a verification of an empty draft (the budget's last token, or the token the target
+        # commits from its prefill) says nothing of the drafter; tau still counts its target forward
+        links = {f"{ln.verifier}<-{ln.drafter}": [a for a, d in zip(ln.accepted, ln.drafted) if d]
+                 for ln in stats.links}
         return Output(list(tokens), t.seconds, float(stats.tau) if stats.tau is not None else None,
-                      list(stats.links[-1].accepted), links)
+                      links[f"{stats.links[-1].verifier}<-{stats.links[-1].drafter}"], links)
     return run
 
 

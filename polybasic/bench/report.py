@@ -117,8 +117,8 @@ def markdown(doc: dict) -> str:
         "(our decoder on the target in its dtype) on the same prompts; vs fastest = against the fastest "
         "vanilla decoder of the run (vanilla, vanilla:DTYPE, vanilla-compiled...); median = median over "
         "prompts of the per-prompt speedup (robust to machine noise); tau = new tokens per target forward; "
-        "accept = the bottom drafter's mean accepted length per verification by the level above (accepted "
-        "drafts + 1); links = that length for every link of a chain (verifier<-drafter); identical = prompts "
+        "accept = the bottom drafter's mean accepted length per draft verified by the level above (accepted "
+        "drafts + 1; verifications of an empty draft, such as the budget's last token, left out); links = that length for every link of a chain (verifier<-drafter); identical = prompts "
         "whose tokens equal vanilla's (greedy only). Methods that run the target in another dtype "
         "(vanilla:DTYPE) or with other numerics (transformers, compiled steps) are not expected to be "
         "identical: a different kernel or rounding can flip a near-tie.", "",

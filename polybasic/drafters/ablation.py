@@ -393,6 +393,46 @@ def train_variant(p: Planned) -> dict:
             "sequences": _count_lines(p.folder / "distill" / "samples.jsonl")}
 
 
+def data_donor(p: Planned, earlier: list[Planned]) -> tuple[Planned | None, bool]:
+    """(an earlier variant whose distill stage made exactly the answers p's would make, whether its
+    cached features are p's too) or (None, False): same model and the same data settings."""
+    from polybasic.pipelines.distill import ANSWER_INPUTS, FEATURE_INPUTS
+
+    def key(q: Planned, fields) -> str:
+        return json.dumps([q.tree["model"], {f: q.tree["distill"][f] for f in fields}], sort_keys=True)
+
+    answers = (*ANSWER_INPUTS, "references")
+    same = [q for q in earlier if key(q, answers) == key(p, answers)
+            and (q.folder / "distill" / "samples.jsonl").is_file()]
+    full = [q for q in same if key(q, (*answers, *FEATURE_INPUTS)) == key(p, (*answers, *FEATURE_INPUTS))]
+    return (full[0], True) if full else ((same[0], False) if same else (None, False))
+
+
+def share_data(donor: Planned, p: Planned, features: bool) -> list[str]:
+    """Hard-link (or copy) the donor's answers (and feature shards) into p's distill folder, where the
+    distill stage reuses them as its own (they are keyed by the same inputs); files p has are kept.
+    Returns the names of the files shared."""
+    import os
+    import shutil
+
+    src, dst = donor.folder / "distill", p.folder / "distill"
+    names = ["samples.jsonl", "samples.inputs.json"]
+    if features:
+        names += [str(f.relative_to(src)) for f in sorted((src / "target" / "features").glob("*"))]
+    shared = []
+    for name in names:
+        a, b = src / name, dst / name
+        if not a.is_file() or b.exists():
+            continue
+        b.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(a, b)  # finished files are never rewritten in place (atomic replace), so a link is safe
+        except OSError:
+            shutil.copy2(a, b)
+        shared.append(name)
+    return shared
+
+
 def _resumed(folder: Path) -> bool:
     """Whether the distill stage would find earlier work to reuse (answers, features, a checkpoint)."""
     d = folder / "distill"
@@ -564,7 +604,8 @@ def render_markdown(command: str, header: list[str], variants: list[Variant], re
             lines.append(f"| {v.name} | {format_overrides(v.overrides)} | pending |" + " |" * (len(cols) - 3))
             continue
         tr, ds = r["train"], r["diagnose"]["draft_start"]
-        wall = _fmt(tr.get("wall_s"), 1) + ("*" if tr.get("partial") else "")
+        wall = _fmt(tr.get("wall_s"), 1) + ("*" if tr.get("partial") else "") + (
+            f" (data of {tr['data_from']})" if tr.get("data_from") else "")
         row = [v.name, format_overrides(v.overrides), wall, str(tr.get("global_step") or "-"), _fmt(ds["step1"]),
                _fmt(ds["mean_accepted_length"])]
         for lab in labels:
@@ -572,7 +613,8 @@ def render_markdown(command: str, header: list[str], variants: list[Variant], re
             row += [_fmt(tau), "-" if v.name == BASELINE else _delta(tau, ref_tau[lab])]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "train s: wall seconds of the distill stage (answers, features, training; * resumed after an "
-              "interruption: its last run only). step-1 @ draft starts: the head's first draft token agreeing "
+              "interruption: its last run only; 'data of V': the answers (and features) of variant V, made with "
+              "the same data settings, were reused, so the seconds are training's). step-1 @ draft starts: the head's first draft token agreeing "
               "with the target at the positions a greedy [target, head] chain drafts from; walk tau: that "
               "chain's mean accepted length on the held-out prompts (polybasic.drafters.diagnose). tau T=t: "
               "`polybasic bench` on Spec-Bench at temperature t (new tokens per target forward, the prefill "
@@ -646,7 +688,13 @@ def run_ablation(spec: AblationSpec, say=print) -> dict[str, dict]:
             say(f"{tag} skipped: {p.folder / RESULTS} exists ({_elapsed(time.perf_counter() - t0)} elapsed)")
             continue
         say(f"{tag} {format_overrides(p.variant.overrides)}: distill ({_elapsed(time.perf_counter() - t0)} elapsed)")
+        donor, features = data_donor(p, planned[:i - 1])
+        if donor is not None and share_data(donor, p, features):
+            say(f"{tag} reusing the answers{' and features' if features else ''} of {donor.variant.name} "
+                "(same data settings)")
         train = train_variant(p)
+        if donor is not None:
+            train["data_from"] = donor.variant.name + ("" if features else " (answers)")
         say(f"{tag} trained: {_fmt(train.get('wall_s'), 1)} s recorded; measuring "
             f"({_elapsed(time.perf_counter() - t0)} elapsed)")
         measured = measure_variant(spec, p, train, target, say)

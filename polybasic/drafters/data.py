@@ -185,7 +185,7 @@ def compute_features(model, samples: list[Sample], batch_tokens: int = 4096, pro
         for r, k in enumerate(idx):
             tokens[r, :lengths[k]] = torch.tensor(samples[k].tokens)
         model.setup_caches(t, len(idx))
-        _, hidden = model(tokens.to(model.device), 0)  # [B, T, E]
+        _, hidden = model(tokens.to(model.device), 0, last_only=True)  # [B, T, E] (logits of one row only)
         for r, k in enumerate(idx):
             feats[k] = hidden[r, :lengths[k]].to("cpu", dtype).clone()
         bar.update(sum(lengths[k] for k in idx))

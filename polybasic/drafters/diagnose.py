@@ -12,14 +12,15 @@ token sequences (prompt + an answer the base generated greedily):
   the sequence's token, so the accepted prefix of every draft is exact.
 - a draft starting at position s (the position of its first token, context x_0..x_{s-1}) reads, as
   in EagleLevel after a verification: head rows 0..s-2 on exact features (step 1 = anchor s-2), then
-  its own predicted features (steps 2..k). The chain's FIRST round is the exception: the base has
-  just prefilled the prompt, so its step 2 reads the exact feature f_{s-1} (anchor s-1, steps 1..k-1).
+  its own predicted features (steps 2..k).
 - "draft_start": the positions a 2-level greedy chain [target, head] drafts at, found by walking the
-  answer like the chain: start at the first answer position, draft min(k, budget left - 1) tokens,
-  accept the matching prefix a, the next start is a+1 positions later (`walk_draft_starts`). The mean
-  of a+1 over the starts is that chain's mean accepted length (its `LinkStats` summary), up to
-  float rounding in near-ties (the chain computes the same rows in other chunks).
-- "all": a draft at every answer position (the teacher-forced average).
+  answer like the chain (`walk`): the first answer token is the target's own, committed from its
+  prefill (no draft); from the second on, draft min(k, budget left - 1) tokens, accept the matching
+  prefix a, the next start is a+1 positions later. The walk's rounds are the chain's verifications
+  one for one (its `LinkStats`), up to float rounding in near-ties (the chain computes the same rows in
+  other chunks); the rates and the mean accepted length count the rounds that drafted (per draft, as
+  `polybasic bench` reports a drafter's acceptance).
+- "all": a draft at every answer position but the first (the teacher-forced average).
 
 python -m polybasic.drafters.diagnose --model SOURCE --dtype float32,bfloat16 --head PATH \
     --data ALPACA_JSON --prompts 20 --max-new-tokens 64   [--offset M] [--k 5] [--chain]
@@ -50,33 +51,31 @@ def accepted_prefix(row: Sequence[bool]) -> int:
     return n
 
 
-def walk(matches: Sequence[Sequence[bool]], first: Sequence[bool] | None = None) -> list[tuple[int, int]]:
+def walk(matches: Sequence[Sequence[bool]]) -> list[tuple[int, int]]:
     """(start, accepted length a+1) of each round of a 2-level greedy chain over one answer.
 
     matches[i][j]: whether the draft started at answer index i has the right token at depth j+1
-    (len(matches[i]) is that draft's length); first: the first round's row instead of matches[0]
-    (the chain's first round reads one more exact feature). The walk starts at index 0, accepts the
-    matching prefix a and moves a+1 on (the a tokens plus the target's correction or bonus token)."""
-    out, i = [], 0
+    (len(matches[i]) is that draft's length). Index 0 is the target's own token, committed from its
+    prefill: a round of length 1 without a draft. From index 1 on, a round accepts the matching prefix
+    a and moves a+1 on (the a tokens plus the target's correction or bonus token)."""
+    out, i = ([(0, 1)], 1) if matches else ([], 0)
     while i < len(matches):
-        row = first if i == 0 and first is not None else matches[i]
-        n = accepted_prefix(row) + 1
+        n = accepted_prefix(matches[i]) + 1
         out.append((i, n))
         i += n
     return out
 
 
-def walk_draft_starts(matches: Sequence[Sequence[bool]], first: Sequence[bool] | None = None) -> list[int]:
+def walk_draft_starts(matches: Sequence[Sequence[bool]]) -> list[int]:
     """The accepted lengths (a+1, tokens per verification) of the rounds of `walk`."""
-    return [n for _, n in walk(matches, first)]
+    return [n for _, n in walk(matches)]
 
 
 @dataclass
 class SequenceDrafts:
     """The head's drafts at every answer position of one sequence."""
 
-    rows: list[list[bool]]  # rows[i]: matches of the draft starting at answer index i (later-round state)
-    first: list[bool]  # the draft at answer index 0 as the chain's first round makes it
+    rows: list[list[bool]]  # rows[i]: matches of the draft starting at answer index i
     truth: list[int]  # the answer's tokens
     base_agrees: int  # answer positions where the base's full-forward argmax is the answer's token
 
@@ -99,8 +98,7 @@ def sequence_drafts(base, head, tokens: list[int], n_prompt: int, k: int = 5,
     budget = n_tok - p0 if max_new_tokens is None else max_new_tokens
     check(budget >= n_tok - p0, "max_new_tokens", f"is {budget}, less than the answer's {n_tok - p0} tokens",
           "pass the budget the answers were generated with")
-    if head.base is not base:
-        head.bind(base)
+    head.bind(base)  # also: the base returns the layers this head reads
     if not head._cache_free():
         head.drop_caches()
     x = torch.tensor([tokens], dtype=torch.long, device=base.device)  # [1, T]
@@ -124,9 +122,8 @@ def sequence_drafts(base, head, tokens: list[int], n_prompt: int, k: int = 5,
         return out
 
     rows = [row(s, lambda j, s=s: (j - 1, s - 2)) for s in range(p0, n_tok)]
-    first = row(p0, lambda j: (0, p0 - 2) if j == 1 else (j - 2, p0 - 1))
     agrees = sum(base_top[p - 1] == tokens[p] for p in range(p0, n_tok))
-    return SequenceDrafts(rows, first, tokens[p0:], agrees)
+    return SequenceDrafts(rows, tokens[p0:], agrees)
 
 
 def summarize(drafts: Iterable[SequenceDrafts], k: int, at: str = "draft_start", d2t: Tensor | None = None) -> dict:
@@ -142,14 +139,15 @@ def summarize(drafts: Iterable[SequenceDrafts], k: int, at: str = "draft_start",
         n_seq += 1
         agrees += d.base_agrees
         n_ans += len(d.truth)
-        starts = [s for s, _ in walk(d.rows, d.first)] if at == "draft_start" else range(len(d.rows))
+        starts = [s for s, _ in walk(d.rows)] if at == "draft_start" else range(len(d.rows))
         for i in starts:
-            r = d.first if i == 0 else d.rows[i]
+            r = d.rows[i]
+            if i == 0 or not r:  # no draft: the target's own first token, or the budget's last
+                continue
             a = accepted_prefix(r)
             lengths.append(a + 1)
-            if r:
-                step1[0] += r[0]
-                step1[1] += 1
+            step1[0] += r[0]
+            step1[1] += 1
             for j in range(min(a + 1, len(r))):
                 reach[j] += 1
                 hit[j] += r[j]
@@ -175,7 +173,7 @@ def draft_start_acceptance(base_model, head, sequences, k: int = 5, at: str = "d
     2-level greedy chain (at="draft_start") or at every answer position (at="all").
 
     Returns {"step1": depth-1 agreement, "depth_rate": [P(depth j matches | depths < j matched)],
-    "mean_accepted_length": mean a+1 (for draft starts: the chain's mean accepted length),
+    "mean_accepted_length": mean a+1 per draft (for draft starts: the chain's, per draft),
     "histogram": {a+1: count}, "draft_vocab_coverage": share of the base's next tokens at those
     positions inside the head's draft vocabulary (None: full vocabulary), "base_agrees": share of
     answer tokens the base's one-forward argmax reproduces (1.0 unless numerics differ), "starts",
@@ -268,7 +266,7 @@ def main(argv=None) -> None:
                 ml = ModelLevel(base, "target")
                 chain = Chain([ml, EagleLevel(head, ml)], k=a.k, eos=eos)
                 _, st = chain.generate(ids, a.max_new_tokens)
-                acc += st.links[0].accepted
+                acc += [n for n, d in zip(st.links[0].accepted, st.links[0].drafted) if d]  # per draft
             head.drop_caches()
             chain_tau = sum(x + 1 for x in acc) / len(acc) if acc else None
         for at in AT:
@@ -278,7 +276,7 @@ def main(argv=None) -> None:
     print(_table(rows, a.k))
     print("step1: depth-1 agreement; tau: mean accepted length (a+1); dJ: P(depth J matches | depths < J matched); "
           "vocab_cov: base tokens inside the draft vocabulary; base_ok: answer tokens the base's one-forward "
-          "argmax reproduces; chain_tau: the real chain's mean accepted length (--chain)")
+          "argmax reproduces; chain_tau: the real chain's mean accepted length per draft (--chain)")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ Shapes: B batch, M rows in this call, E model dim, V vocabulary.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -55,6 +55,7 @@ class DrafterConfig(BlockShape):
     draft_vocab_size: int = 0  # > 0: draft over the N most frequent target tokens only (EAGLE-3)
     input_norms: bool = True  # RMSNorm the embedding and the feature before the fuse layer
     feature_residual: bool = True  # the block's input is f_p + fc(...), not fc(...) alone
+    feature_layers: list[int] = field(default_factory=list)  # also read these base layers' outputs (EAGLE-3)
     version: int = DRAFTER_VERSION
 
     def __post_init__(self) -> None:
@@ -63,6 +64,7 @@ class DrafterConfig(BlockShape):
         check(0 <= self.draft_vocab_size <= self.vocab_size, "DrafterConfig.draft_vocab_size",
               f"must be in [0, vocab_size={self.vocab_size}], got {self.draft_vocab_size}",
               "use 0 for the full vocabulary")
+        self.feature_layers = check_feature_layers(self.feature_layers, "DrafterConfig.feature_layers")
         check(self.version == DRAFTER_VERSION, "DrafterConfig.version",
               f"is {self.version}, this polybasic reads version {DRAFTER_VERSION}",
               "retrain or convert the drafter")
@@ -87,6 +89,17 @@ class DrafterConfig(BlockShape):
             raise ConfigError(f"DrafterConfig: unknown fields {sorted(unknown)}; the checkpoint was written "
                               "by a newer polybasic, upgrade it")
         return cls(**d)
+
+
+def check_feature_layers(layers, field: str) -> list[int]:
+    """`layers` as a list, checked: distinct increasing 0-based decoder layer indices (their range against a
+    model: Transformer.use_feature_layers)."""
+    ok = isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                   for i in layers)
+    check(ok and list(layers) == sorted(set(layers)), field,
+          f"must be a list of distinct increasing layer indices, got {layers!r}",
+          "use [] (the last layer only) or e.g. [2, 15] (0-based decoder layers below the last)")
+    return list(layers)
 
 
 class _NoCache(nn.Module):
@@ -133,6 +146,10 @@ class EagleHead(nn.Module):
         if cfg.input_norms:
             self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.fnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.feature_layers:  # fused f_p = f_p + ffuse(RMS-normalised other layers), zero at first
+            self.lnorms = nn.ModuleList(RMSNorm(cfg.dim, cfg.norm_eps) for _ in cfg.feature_layers)
+            self.ffuse = nn.Linear(len(cfg.feature_layers) * cfg.dim, cfg.dim, bias=False)
+            nn.init.zeros_(self.ffuse.weight)
         if cfg.feature_residual:  # start exactly at "f_{p+1} = f_p" through the residual path
             nn.init.zeros_(self.fc.weight)
             if self.fc.bias is not None:
@@ -175,12 +192,16 @@ class EagleHead(nn.Module):
         return x
 
     def bind(self, base: Transformer) -> "EagleHead":
+        """Share `base`'s embedding, final norm and LM head, and make the base return the layers this head
+        reads (Transformer.use_feature_layers): the last head bound decides, so whoever runs a head binds
+        it right before (EagleLevel.start, the diagnostic, training)."""
         if base.args.dim != self.cfg.dim:
             raise ConfigError(f"drafter: head hidden size {self.cfg.dim} does not match the base model's "
                               f"hidden size {base.args.dim}; use a drafter trained on this base model")
         if base.args.vocab_size != self.cfg.vocab_size:
             raise ConfigError(f"drafter: head vocabulary {self.cfg.vocab_size} does not match the base "
                               f"model's {base.args.vocab_size}; use a drafter trained on this base model")
+        base.use_feature_layers(self.cfg.feature_layers)
         object.__setattr__(self, "base", base)
         return self
 
@@ -213,7 +234,9 @@ class EagleHead(nn.Module):
         return self._blocks(x, cos, sin, mask, start)
 
     def _fuse(self, tokens: Tensor, feats: Tensor) -> Tensor:
-        """tokens [B, M], feats [B, M, E] -> the block's input [B, M, E]."""
+        """tokens [B, M], feats [B, M, E] (f_p, or the head's own prediction of it) or the base's
+        [B, M, (n+1) E] (with feature_layers: n other layers, then f_p) -> the block's input [B, M, E]."""
+        feats = self.fuse_layers(feats)  # [B, M, E]
         emb = self.base.tok_embeddings(tokens).to(feats.dtype)  # [B, M, E]
         f = feats
         if self.cfg.input_norms:
@@ -221,11 +244,23 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat((emb, f), dim=-1))  # [B, M, E]
         return x + feats if self.cfg.feature_residual else x
 
+    def fuse_layers(self, feats: Tensor) -> Tensor:
+        """[..., (n+1) E] base features (n = len(feature_layers)) -> [..., E]: f_p plus the zero-initialised
+        fusion of the other layers' RMS-normalised outputs; [..., E] passes through."""
+        e = self.cfg.dim
+        if feats.shape[-1] == e:
+            return feats
+        n = len(self.cfg.feature_layers)
+        check(feats.shape[-1] == (n + 1) * e, "features", f"have width {feats.shape[-1]}, the head reads "
+              f"{n + 1} layers of {e}", "compute features with the base bound to this head (EagleHead.bind)")
+        other = torch.cat([norm(feats[..., i * e:(i + 1) * e]) for i, norm in enumerate(self.lnorms)], dim=-1)
+        return feats[..., -e:] + self.ffuse(other.to(feats.dtype))
+
     def unroll(self, tokens: Tensor, feats: Tensor, steps: int) -> list[Tensor]:
         """Training-time test (EAGLE-3): the head drafts `steps` tokens ahead of every position at
         once, each step reading its own previous prediction, attending exactly as at inference.
 
-        tokens [B, T]; feats [B, T-1, E] (f_p, rows p = 0..T-2). Step j (1-based) gives, for every
+        tokens [B, T]; feats [B, T-1, E] (f_p, rows p = 0..T-2; or [B, T-1, (n+1) E], see _fuse). Step j (1-based) gives, for every
         anchor p, the predicted f_{p+j} [B, T-1, E] from the token x_{p+j} and step j-1's prediction
         (step 1: the exact f_p), at position p+j-1. Its queries see the exact rows 0..p (step 1's
         keys) and the anchor's own rows of steps 2..j, as the drafting loop's KV cache holds them.
@@ -259,9 +294,9 @@ class EagleHead(nn.Module):
         self.d2t.copy_(ids)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Predicted features [..., E] -> logits [..., N] through the base's frozen norm and LM head
-        (N = V, or the rows of the draft vocabulary only)."""
-        h = self.base.norm(hidden)
+        """Predicted features [..., E] (or base features [..., (n+1) E], of which the last layer counts) ->
+        logits [..., N] through the base's frozen norm and LM head (N = V, or the draft vocabulary's rows)."""
+        h = self.base.norm(hidden[..., -self.cfg.dim:])
         out = self.base.output
         plain = isinstance(getattr(out, "weight", None), Tensor)  # not a quantized linear
         if self.d2t is None and plain and out.weight.dtype == h.dtype:

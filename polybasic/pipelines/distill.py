@@ -28,7 +28,7 @@ from polybasic.data import DEFAULT_DATA, DataSource
 from polybasic.drafters.data import (DistillDataset, Sample, compute_features, load_feature_shard,
                                      load_pairs, reference_samples, save_feature_shard, self_distill,
                                      self_instruct)
-from polybasic.drafters.head import DrafterConfig
+from polybasic.drafters.head import DrafterConfig, check_feature_layers
 from polybasic.drafters.module import TrainConfig, fit
 from polybasic.errors import ConfigError, check
 from polybasic.pipelines.serde import from_dict
@@ -65,6 +65,7 @@ class DistillSection:
     draft_vocab_size: int = 0  # > 0: EAGLE-3 style reduced draft vocabulary
     head_layers: int = 1  # decoder blocks in each head
     feature_residual: bool = True  # the head's blocks read f_p + fc(...) (DrafterConfig.feature_residual)
+    feature_layers: list[int] = field(default_factory=list)  # also read these base layers' outputs (EAGLE-3)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -90,6 +91,7 @@ class DistillSection:
             parse_dtype(getattr(self, name))
         check(isinstance(self.feature_residual, bool), "distill.feature_residual",
               f"must be true or false, got {self.feature_residual!r}", "use true (default) or false")
+        self.feature_layers = check_feature_layers(self.feature_layers, "distill.feature_layers")
         check(isinstance(self.references, bool), "distill.references",
               f"must be true or false, got {self.references!r}", "use true (default) or false")
         SamplingConfig(temperature=self.temperature)
@@ -135,11 +137,16 @@ def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list
     return samples
 
 
+# the section fields the generated answers depend on (samples.jsonl adds `references`), and those the
+# cached features add
+ANSWER_INPUTS = ("data", "limit", "self_instruct", "max_new_tokens", "temperature", "max_prompt_tokens", "seed",
+                 "gen_batch_size", "gen_dtype")
+FEATURE_INPUTS = ("features", "feature_dtype", "feature_layers")
+
+
 def _inputs_key(lm, sec: DistillSection) -> dict:
     """What the generated answers depend on."""
-    return {"model": repr(lm.args), **{k: str(getattr(sec, k)) for k in (
-        "data", "limit", "self_instruct", "max_new_tokens", "temperature", "max_prompt_tokens", "seed",
-        "gen_batch_size", "gen_dtype")}}
+    return {"model": repr(lm.args), **{k: str(getattr(sec, k)) for k in ANSWER_INPUTS}}
 
 
 def _shard_dir(folder: Path, lm, sec: DistillSection) -> Path:
@@ -163,15 +170,19 @@ def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Pat
     from polybasic.models.loader import parse_dtype
 
     folder.mkdir(parents=True, exist_ok=True)
+    base.use_feature_layers(sec.feature_layers)  # what the head reads (EagleHead.bind sets the same)
     model = _as_dtype(base, sec.feature_dtype)
-    key, meta = {"feature_dtype": str(parse_dtype(sec.feature_dtype))}, folder / "inputs.json"
-    made = json.loads(meta.read_text()) if meta.is_file() else {"feature_dtype": "torch.bfloat16"}  # older runs: bf16
-    if made != key:  # shards of another feature_dtype
+    key = {"feature_dtype": str(parse_dtype(sec.feature_dtype)), "feature_layers": list(sec.feature_layers)}
+    meta = folder / "inputs.json"
+    made = {"feature_dtype": "torch.bfloat16", "feature_layers": []}  # what older runs made
+    made.update(json.loads(meta.read_text()) if meta.is_file() else {})
+    if made != key:  # shards of another feature_dtype or other layers
         stale = sorted(folder.glob("shard-*.safetensors"))
         for p in stale:
             p.unlink()
         if stale:
-            announce(f"discarded {len(stale)} feature shard(s) in {folder}: made with another feature_dtype")
+            announce(f"discarded {len(stale)} feature shard(s) in {folder}: made with another feature_dtype "
+                     "or other feature_layers")
     write_json(meta, key)
     if done := sorted(folder.glob("shard-*.safetensors")):
         announce(f"reused: {len(done)} feature shard(s) from {folder}")
@@ -212,11 +223,12 @@ def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     clean_and_announce(out)
+    lm.model.use_feature_layers(sec.feature_layers)  # layers past the model's: ConfigError before any work
     samples = _samples(lm, sec, out, progress)
     if not samples:
         raise ConfigError(f"distill.data: {sec.data} gave no training sequences; pass a file with prompts")
     head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size, n_layers=sec.head_layers,
-                                      feature_residual=sec.feature_residual)
+                                      feature_residual=sec.feature_residual, feature_layers=sec.feature_layers)
     modules = {}
     for name in sec.drafters:
         base = _base_for(name, lm, sec, Path(run_dir or out.parent))

@@ -3,8 +3,8 @@
 Used where throughput matters more than latency (self-distillation data for drafters). Every row
 gets the same number of cache slots; row b's prompt is right-aligned and the slots before it are
 masked out, so (RoPE being relative) each row computes what it would alone, up to float rounding.
-Besides the tokens, the loop keeps the last hidden state of every position: the features a
-drafter learns from, computed once, for free.
+Rows that finished (EOS) leave the batch once a quarter of the rows still running have finished:
+the KV caches shrink to the others, so short answers stop costing decode steps.
 """
 from __future__ import annotations
 
@@ -17,22 +17,22 @@ from polybasic.models.llama import Transformer
 from polybasic.runtime.generate import check_request
 from polybasic.runtime.sampling import SamplingConfig, probs_from_logits, sample
 
+COMPACT_SHARE = 0.25  # drop finished rows once they are this share of the rows still in the batch
+
 
 @dataclass
 class BatchAnswer:
     tokens: list[int]  # prompt + answer (EOS included when it was generated)
     n_prompt: int
-    hidden: Tensor | None  # [len(tokens), E] last hidden states (before the final norm), or None
 
 
 @torch.inference_mode()
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
                    sampling: SamplingConfig = SamplingConfig(), eos: set[int] = frozenset(),
-                   generator: torch.Generator | None = None, keep_hidden: bool = False) -> list[BatchAnswer]:
+                   generator: torch.Generator | None = None) -> list[BatchAnswer]:
     """Answer every prompt (one batch; sort prompts by length first to waste less padding).
 
     A row stops at EOS or after max_new_tokens; the loop ends when every row has stopped.
-    keep_hidden: also return each position's hidden state (costs one more decode step).
     """
     budget = min(check_request(p, max_new_tokens, model.args.max_seq_len) for p in prompts)
     lens = torch.tensor([len(p) for p in prompts])  # [B]
@@ -46,30 +46,28 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
         tokens[b, int(pad[b]):width] = torch.tensor(p)
     tokens = tokens.to(dev)
     key_mask = (torch.arange(total)[None] >= pad[:, None]).to(dev)  # [B, S]
-    logits, hidden = model(tokens[:, :width], 0, key_mask=key_mask)  # [B, W, V], [B, W, E]
-    hid = [hidden] if keep_hidden else []
-    logits = logits[:, -1]  # [B, V]
-    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
-    n_new = torch.zeros(bsz, dtype=torch.long, device=dev)  # answer length per row
+    # last_only: the LM head runs on the newest row alone (every row's logits would be [B, W, V])
+    logits = model(tokens[:, :width], 0, last_only=True, key_mask=key_mask)[0]  # [B, 1, V]
+    logits = logits[:, -1]  # [B', V]: B' rows still in the batch
+    out_tokens = tokens.clone()  # [B, S] every row's tokens, also after it left the batch
+    rows = torch.arange(bsz, device=dev)  # [B'] the original index of each row in the batch
+    done = torch.zeros(bsz, dtype=torch.bool, device=dev)  # [B']
+    n_new = torch.zeros(bsz, dtype=torch.long, device=dev)  # [B] answer length per original row
     eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=dev)
     pos = width
     for step in range(budget):
         nxt = logits.argmax(-1) if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
-        tokens[:, pos] = torch.where(done, tokens[:, pos], nxt)  # [B]
-        n_new += (~done).long()
+        tokens[:, pos] = torch.where(done, tokens[:, pos], nxt)  # [B']
+        out_tokens[rows, pos] = tokens[:, pos]
+        n_new[rows] += (~done).long()
         done |= torch.isin(nxt, eos_t)
         pos += 1
         if bool(done.all()) or step == budget - 1:
             break
-        logits, h = model(tokens[:, pos - 1:pos], pos - 1, key_mask=key_mask)  # [B, 1, V], [B, 1, E]
-        logits = logits[:, -1]
-        hid.extend([h] if keep_hidden else [])
-    if keep_hidden:  # the newest tokens' hidden states
-        hid.append(model(tokens[:, pos - 1:pos], pos - 1, key_mask=key_mask)[1])
-    hidden = torch.cat(hid, 1) if keep_hidden else None  # [B, pos, E]
-    out = []
-    for b in range(bsz):
-        lo, n = int(pad[b]), int(lens[b] + n_new[b])
-        out.append(BatchAnswer(tokens[b, lo:lo + n].tolist(), int(lens[b]),
-                               hidden[b, lo:lo + n].clone() if keep_hidden else None))
-    return out
+        if int(done.sum()) >= max(1, COMPACT_SHARE * len(rows)):  # finished rows leave the batch
+            live = (~done).nonzero().squeeze(1)  # [B'']
+            model.keep_rows(live)
+            tokens, key_mask, rows, done = tokens[live], key_mask[live], rows[live], done[live]
+        logits = model(tokens[:, pos - 1:pos], pos - 1, key_mask=key_mask)[0][:, -1]  # [B', V]
+    return [BatchAnswer(out_tokens[b, int(pad[b]):int(lens[b] + pad[b] + n_new[b])].tolist(), int(lens[b]))
+            for b in range(bsz)]

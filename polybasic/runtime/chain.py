@@ -121,12 +121,15 @@ class Chain:
                 and getattr(nxt, "base", None) is not lvl]
 
     def _share_prompt(self, prompt: list[int]) -> int | None:
-        """If some level can take the target's K/V of the prompt (_takers), the target prefills the
+        """If some level can take the target's K/V of the prompt (_takers) or reads the target's features
+        (an EAGLE head on the target: it needs the target's prefill anyway), the target prefills the
         prompt first, as vanilla decoding does, and commits the next token from that distribution
         itself (exactly vanilla's first step: greedy argmax or one sample); the takers copy the
-        prompt's K/V instead of running their own prefill. Returns that token, or None (no taker)."""
+        prompt's K/V instead of running their own prefill, a head reads the prefill's features.
+        Returns that token, or None (no such level)."""
         takers = self._takers()
-        if not takers:
+        readers = self.share_prompt_kv and any(getattr(lvl, "base", None) is self.levels[0] for lvl in self.levels[1:])
+        if not takers and not readers:
             return None
         target = self.levels[0]
         p = target.score(prompt, [], self.sampling)[0]  # [V] the target's distribution after the prompt

@@ -197,3 +197,27 @@ def test_help_lists_every_method():
     # a method whose argument is optional is listed with and without it
     assert set(METHOD_NAMES) == ({f"{m}:{a.form}" for m, a in ARGS.items()}
                                  | {m for m in METHODS if m not in ARGS or not ARGS[m].required})
+
+
+def test_per_draft_acceptance_leaves_out_empty_drafts(tiny_model_dir, monkeypatch):
+    """A chain whose target verifies an empty draft (the budget's last token) still counts that target
+    forward in tau, but the drafter's accepted lengths cover only the drafts it made."""
+    from polybasic.models import load_model
+    from polybasic.runtime import chain as chain_mod
+
+    seen = {}
+    real = chain_mod.Chain.generate
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        seen["stats"] = out[1]
+        return out
+
+    monkeypatch.setattr(chain_mod.Chain, "generate", spy)
+    lm = load_model(str(tiny_model_dir), "float32")
+    ctx = BenchContext(lm.model, lm.tokenizer, set(), 11, draft_tokens=4, source=str(tiny_model_dir))
+    out = make_runner("chain:target+target@bfloat16", ctx)([5, 6, 7, 5, 6, 7, 5, 6], 0)
+    link = seen["stats"].links[0]
+    assert 0 in link.drafted  # the run did verify an empty draft
+    assert out.accepted == [a for a, d in zip(link.accepted, link.drafted) if d]
+    assert out.tau == len(out.tokens) / seen["stats"].target_forwards

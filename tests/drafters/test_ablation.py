@@ -245,3 +245,36 @@ def test_train_and_diagnose_on_a_tiny_model(tmp_path, monkeypatch):
     assert benches == [0.0, 1.0]
     held = json.loads((tmp_path / "out" / "heldout.json").read_text())["value"]
     assert len(held) == 3  # the last 3 records' answers, shared by every variant
+
+
+def test_variants_with_the_same_data_settings_share_answers_and_features(tmp_path, monkeypatch):
+    """A lever that only changes training reuses the baseline's answers and feature shards (hard links,
+    as the distill stage's own files); one that changes the features reuses the answers only; one that
+    changes the data makes its own."""
+    from tests.helpers import tiny_hf_folder
+
+    tiny_hf_folder(tmp_path / "m", vocab=64, init_std=0.2)
+    variants = [A.Variant("baseline", {}), A.Variant("regress-none", {"distill.train.regress": "none"}),
+                A.Variant("layers", {"distill.feature_layers": [0]}),
+                A.Variant("references-false", {"distill.references": False})]
+    spec = A.AblationSpec(recipe=str(_base(tmp_path, source=str(tmp_path / "m"), draft_vocab_size=0)),
+                          out=str(tmp_path / "out"), variants=variants, prompts=3, max_new_tokens=8,
+                          per_category=1, temperatures=(0.0,))
+    monkeypatch.setattr(A, "run_bench", lambda model, head, t, spec, json_path: {"tau": 1.0, "per_category": {}})
+    got = A.run_ablation(spec, say=lambda s: None)
+    out = tmp_path / "out"
+
+    def inode(variant, name):
+        return (out / variant / "distill" / name).stat().st_ino
+
+    shard = "target/features/shard-00000.safetensors"
+    assert inode("regress-none", "samples.jsonl") == inode("baseline", "samples.jsonl")
+    assert inode("regress-none", shard) == inode("baseline", shard)
+    assert got["regress-none"]["train"]["data_from"] == "baseline"
+    assert inode("layers", "samples.jsonl") == inode("baseline", "samples.jsonl")
+    assert inode("layers", shard) != inode("baseline", shard)  # 2 layers' features: its own shards
+    assert got["layers"]["train"]["data_from"] == "baseline (answers)"
+    assert inode("references-false", "samples.jsonl") != inode("baseline", "samples.jsonl")
+    assert "data_from" not in got["references-false"]["train"]
+    assert got["references-false"]["train"]["sequences"] < got["baseline"]["train"]["sequences"]
+    assert "(data of baseline)" in (out / "ablation.md").read_text()

@@ -21,19 +21,18 @@ T, F = True, False
 
 def test_walk_by_hand():
     assert accepted_prefix([T, T, F, T]) == 2 and accepted_prefix([]) == 0
-    rows = [[T, T, F],  # start 0: a=2 -> next start 3
+    rows = [[T, T, T],  # index 0: the target's own first token (from its prefill), never drafted
+            [T, T, F],  # start 1: a=2 -> next start 4
             [F, F, F], [T, T, T],  # never drafted from
-            [F, T, T],  # start 3: a=0 -> 4
-            [T, T, T],  # start 4: a=3 (full) -> 8
+            [F, T, T],  # start 4: a=0 -> 5
+            [T, T, T],  # start 5: a=3 (full) -> 9
             [F], [F], [F],
-            [T],  # start 8: a=1 (a draft capped to 1 token) -> 10
+            [T],  # start 9: a=1 (a draft capped to 1 token) -> 11
             [F],
-            []]  # start 10: the last token, no draft (budget left 1): length 1 -> 11, done
-    assert walk_draft_starts(rows) == [3, 1, 4, 2, 1]
-    assert [s for s, _ in walk(rows)] == [0, 3, 4, 8, 10]
-    # the chain's first round reads one more exact feature: its own row replaces rows[0]
-    assert walk_draft_starts(rows, first=[F, T, T]) == [1, 1, 4, 1, 1, 2, 1]  # starts 0 1 2 6 7 8 10
-    assert walk_draft_starts([]) == []
+            []]  # start 11: the last token, no draft (budget left 1): length 1 -> 12, done
+    assert walk_draft_starts(rows) == [1, 3, 1, 4, 2, 1]
+    assert [s for s, _ in walk(rows)] == [0, 1, 4, 5, 9, 11]
+    assert walk_draft_starts([[F]]) == [1] and walk_draft_starts([]) == []
 
 
 def _world(c: float = 0.003):
@@ -59,7 +58,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("k", [3, 5])
 def test_draft_starts_equal_the_real_chain(k):
     base, head = _world()
-    budget, seqs, chain_acc, first_differs = 40, [], [], 0
+    budget, seqs, chain_acc = 40, [], []
     for prompt in _prompts(12):
         answer = list(generate_tokens(base, prompt, budget))
         seqs.append((prompt + answer, len(prompt)))
@@ -67,17 +66,15 @@ def test_draft_starts_equal_the_real_chain(k):
         out, st = Chain([tl, EagleLevel(head, tl)], k=k).generate(prompt, budget)
         assert out == answer  # lossless
         d = sequence_drafts(base, head, prompt + answer, len(prompt), k, budget)
-        first_differs += d.first != d.rows[0]
-        lengths = [a + 1 for a in st.links[0].accepted]
-        assert walk_draft_starts(d.rows, d.first) == lengths  # round by round
-        chain_acc += lengths
+        link = st.links[0]
+        assert walk_draft_starts(d.rows) == [a + 1 for a in link.accepted]  # round by round
+        assert link.drafted[0] == 0 and st.prompt_shared  # the first token is the target's own
+        chain_acc += [a + 1 for a, n in zip(link.accepted, link.drafted) if n]  # per draft
     rep = draft_start_acceptance(base, head, seqs, k=k, max_new_tokens=budget)
     assert rep["mean_accepted_length"] == sum(chain_acc) / len(chain_acc)
     assert rep["starts"] == len(chain_acc)
     assert rep["histogram"] == dict(sorted(Counter(chain_acc).items()))
     assert max(chain_acc) >= 3 and rep["base_agrees"] == 1.0
-    if k == 5:
-        assert first_differs >= 1  # the first round's extra exact feature is emulated, not ignored
 
 
 def test_draft_starts_with_eos_and_a_larger_budget():
@@ -92,7 +89,7 @@ def test_draft_starts_with_eos_and_a_larger_budget():
         out, st = Chain([tl, EagleLevel(head, tl)], k=5, eos=eos).generate(prompt, 40)
         assert out == answer
         d = sequence_drafts(base, head, prompt + answer, len(prompt), 5, max_new_tokens=40)
-        assert walk_draft_starts(d.rows, d.first) == [a + 1 for a in st.links[0].accepted]
+        assert walk_draft_starts(d.rows) == [a + 1 for a in st.links[0].accepted]
     assert ended >= 1
 
 
@@ -103,8 +100,9 @@ def test_all_positions_and_report_fields():
     assert both["draft_start"] == draft_start_acceptance(base, head, seqs, k=4, max_new_tokens=20)
     alls = both["all"]
     assert alls == draft_start_acceptance(base, head, seqs, k=4, at="all", max_new_tokens=20)
-    assert alls["starts"] == 60 and alls["sequences"] == 3
-    assert sum(alls["histogram"].values()) == 60 and len(alls["depth_rate"]) == 4
+    # every answer position with a draft: not the first (the target's own), not the last (no budget left)
+    assert alls["starts"] == 54 and alls["sequences"] == 3
+    assert sum(alls["histogram"].values()) == 54 and len(alls["depth_rate"]) == 4
     assert 0 <= alls["step1"] <= 1 and alls["draft_vocab_coverage"] is None
     with pytest.raises(ConfigError, match="at"):
         draft_start_acceptance(base, head, seqs, at="middle")
@@ -121,14 +119,14 @@ def test_reduced_draft_vocabulary_coverage():
     ids = torch.tensor(sorted(top + [i for i in range(128) if i not in top][:32 - len(top)]))
     head.set_draft_vocab(ids)
     rep = draft_start_acceptance(base, head, seqs, k=3, at="all", max_new_tokens=20)
-    answer_tokens = [t for s, n in seqs for t in s[n:]]
+    answer_tokens = [t for s, n in seqs for t in s[n + 1:-1]]  # the positions drafted from (see above)
     assert rep["draft_vocab_coverage"] == sum(t in set(ids.tolist()) for t in answer_tokens) / len(answer_tokens)
     tl = ModelLevel(base, "target")  # drafts map back through d2t exactly as EagleLevel's do
     for s, n in seqs:
         _, st = Chain([tl, EagleLevel(head, tl)], k=3).generate(s[:n], 20)
         head.drop_caches()
         d = sequence_drafts(base, head, s, n, 3, 20)
-        assert walk_draft_starts(d.rows, d.first) == [a + 1 for a in st.links[0].accepted]
+        assert walk_draft_starts(d.rows) == [a + 1 for a in st.links[0].accepted]
 
 
 def test_command_line(tmp_path, capsys):

@@ -69,19 +69,68 @@ def test_prenorm_is_the_old_loss_and_postnorm_is_the_normed_one(world):
         tl = F.log_softmax(head.logits(hidden[:, 1:]), -1)
     target = {"probs": tl.exp(), "top": tl.argmax(-1), "entropy": -(tl.exp() * tl).sum(-1)}
     nxt, mk = hidden[:, 1:], mask[:, 1:]
+    sel = mk > 0  # _step_losses takes the learned rows only
+    rows = (out[sel], nxt[sel], {k: v[sel] for k, v in target.items()})
     assert TrainConfig().regress == "prenorm"
-    pre = _step_losses(head, out, nxt, target, mk)
-    assert torch.equal(pre["vloss"], _old_vloss(out, nxt, mk))
-    assert torch.equal(_step_losses(head, out, nxt, target, mk, "prenorm")["vloss"], pre["vloss"])
-    post = _step_losses(head, out, nxt, target, mk, "postnorm")
+    pre = _step_losses(head, *rows)
+    torch.testing.assert_close(pre["vloss"], _old_vloss(out, nxt, mk))  # the same mean, summed in another order
+    assert torch.equal(_step_losses(head, *rows, "prenorm")["vloss"], pre["vloss"])
+    post = _step_losses(head, *rows, "postnorm")
     m = mk.float()
     want = (F.smooth_l1_loss(base.norm(out), base.norm(nxt), reduction="none").mean(-1) * m).sum() / m.sum()
     assert torch.allclose(post["vloss"], want)
     assert torch.equal(post["ploss"], pre["ploss"])  # only the regression term changes
     post["vloss"].backward()
     assert head.fc.weight.grad is not None and base.norm.weight.grad is None  # the base stays frozen
-    none = _step_losses(head, out, nxt, target, mk, "none")
+    none = _step_losses(head, *rows, "none")
     assert float(none["vloss"]) == 0.0 and torch.equal(none["ploss"], pre["ploss"])
+
+
+def _reference_losses(m, batch, regress):
+    """losses_for as first written: every row through the LM heads, log-softmax, masked means."""
+    tokens, mask = batch["tokens"], batch["mask"]
+    t = tokens.shape[1]
+    m.base.setup_caches(t, tokens.shape[0])
+    hidden = m.base(tokens, 0)[1].float()
+    outs = m.head.unroll(tokens, hidden[:, :-1], m.cfg.ttt_steps) if m.cfg.ttt_steps > 1 else [
+        m.head(tokens[:, 1:], hidden[:, :-1], 0)]
+    tl = F.log_softmax(m.head.logits(hidden[:, 1:]), -1, dtype=torch.float32)
+    raw = [m.cfg.ttt_decay ** j for j in range(len(outs))]
+    total, first = 0.0, None
+    for j, out in enumerate(outs):
+        n = t - 1 - j
+        mk = mask[:, 1 + j:].float()
+        o, nxt, p, tj = out[:, :n], hidden[:, 1 + j:], tl[:, j:].exp(), tl[:, j:]
+        if regress == "prenorm":
+            v = _old_vloss(o, nxt, mk)
+        else:
+            v = torch.zeros(())
+        lp = F.log_softmax(m.head.logits(o), -1, dtype=torch.float32)
+        ce = -(p * lp).sum(-1)
+        ploss = (ce * mk).sum() / mk.sum()
+        kl = ((ce + (p * tj).sum(-1)) * mk).sum() / mk.sum()
+        acc = ((lp.argmax(-1) == tj.argmax(-1)).float() * mk).sum() / mk.sum()
+        total = total + raw[j] / sum(raw) * (v + ploss)
+        first = first or {"vloss": v, "ploss": ploss, "kl": kl, "acc": acc}
+    return {"loss": total, **first}
+
+
+@pytest.mark.parametrize("regress,ttt,compiled", [("prenorm", 1, True), ("none", 1, True), ("prenorm", 3, True),
+                                                  ("none", 3, True), ("prenorm", 3, False)])
+def test_losses_on_the_learned_rows_equal_the_masked_full_rows(world, regress, ttt, compiled):
+    """The LM heads run on the learned rows only (the mask's), and the cross-entropy is logsumexp(z) -
+    p.z (compiled or not): the same losses as every row through log-softmax with the mask applied after."""
+    base, batch = world
+    torch.manual_seed(0)
+    m = DistillModule(base, DrafterConfig.for_base(base.args),
+                      TrainConfig(regress=regress, ttt_steps=ttt, compile_loss=compiled))
+    with torch.no_grad():
+        for prm in m.head.parameters():
+            prm.add_(0.05 * torch.randn_like(prm))  # away from the init, so that every term matters
+    assert batch["mask"][:, 1:].sum() < batch["mask"][:, 1:].numel()  # some rows are left out
+    got, want = m.losses_for(batch, noise=False), _reference_losses(m, batch, regress)
+    for k in ("loss", "vloss", "ploss", "kl", "acc"):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_regress_is_validated():
