@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,12 +116,14 @@ def user_turn_prefix(tokenizer) -> list[int]:
 
 
 def self_instruct(model, tokenizer, n: int, max_tokens: int = 96, seed: int = 0, batch_size: int = 32,
-                  progress: bool = False, shard_dir: Path | None = None) -> list[str]:
+                  progress: bool = False, shard_dir: Path | None = None, openings: Sequence[str] = ()) -> list[str]:
     """`n` distinct user prompts written by the model itself (Magpie, Xu et al. 2024): the chat
     template is opened at a user turn and sampled (T=1, top-p 0.95) until the turn ends.
-    Unfinished, empty and repeated prompts are dropped; sampling stops after 3n attempts.
-    Batch j samples with its own generator (seed, j); with shard_dir each batch's finished turns
-    are saved as a shard (`prompts-JJJJJ.jsonl`) and reused on a rerun."""
+    With `openings`, batch j's turns begin with openings[j % len(openings)] (task-seeded prompts:
+    "Summarize the following article:" steers the model toward that kind of request); the opening
+    is part of the prompt. Unfinished, empty and repeated prompts are dropped; sampling stops after
+    3n attempts. Batch j samples with its own generator (seed, j); with shard_dir each batch's
+    finished turns are saved as a shard (`prompts-JJJJJ.jsonl`) and reused on a rerun."""
     from tqdm import tqdm
 
     from polybasic.runtime.batch import generate_batch
@@ -130,17 +133,21 @@ def self_instruct(model, tokenizer, n: int, max_tokens: int = 96, seed: int = 0,
     seen: dict[str, None] = {}
     bar = tqdm(total=n, desc="self-instruct", unit="prompt", disable=not progress)
 
-    def turns(j: int) -> list[str]:  # the finished user turns of batch j
+    def opening(j: int) -> str:
+        return openings[j % len(openings)] if openings else ""
+
+    def turns(j: int) -> list[str]:  # the finished user turns of batch j, each with its opening
         g = make_generator(seed_for(seed, 1, j), model.device)
-        rows = generate_batch(model, [prefix] * batch_size, max_tokens, SamplingConfig(1.0, 0, 0.95), eos, g)
-        return [tokenizer.decode(r.tokens[r.n_prompt:-1], skip_special_tokens=True).strip() for r in rows
+        start = prefix + tokenizer.encode(opening(j), add_special_tokens=False)  # [P]
+        rows = generate_batch(model, [start] * batch_size, max_tokens, SamplingConfig(1.0, 0, 0.95), eos, g)
+        return [tokenizer.decode(r.tokens[len(prefix):-1], skip_special_tokens=True).strip() for r in rows
                 if len(r.tokens) > r.n_prompt and r.tokens[-1] in eos]  # else no end of turn within max_tokens
 
     for j in range(-(-3 * n // batch_size)):
         if len(seen) >= n:
             break
         for text in batch_shard(shard_dir, "prompts", j, lambda: turns(j)):
-            if len(text) >= 8 and text not in seen and len(seen) < n:
+            if len(text) - len(opening(j).strip()) >= 8 and text not in seen and len(seen) < n:
                 seen[text] = None
                 bar.update(1)
     bar.close()

@@ -48,6 +48,8 @@ class DistillSection:
     data: DataSource = field(default_factory=lambda: DataSource(DEFAULT_DATA))
     limit: int = 1000  # first N records
     self_instruct: int = 0  # > 0: also this many prompts the target writes itself (Magpie), for diversity
+    self_instruct_openings: list[str] = field(default_factory=list)  # the self-written prompts' turns begin
+    # with these, in turn (task-seeded: "Summarize the following article:\n\n"; "" is a free turn)
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy answers
     max_prompt_tokens: int = 512
@@ -73,6 +75,8 @@ class DistillSection:
 
         check(self.self_instruct >= 0, "distill.self_instruct", f"must be >= 0, got {self.self_instruct}",
               "use 0 (off) or the number of prompts the target should write")
+        check(not self.self_instruct_openings or self.self_instruct > 0, "distill.self_instruct_openings",
+              "is set but self_instruct is 0", "set self_instruct to the number of prompts to write")
         for name in ("limit", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "feature_batch_tokens",
                      "head_layers"):
             check(getattr(self, name) > 0, f"distill.{name}", f"must be > 0, got {getattr(self, name)}",
@@ -124,8 +128,8 @@ def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list
     prompts = [q for q, _ in pairs]
     shards = _shard_dir(out / "samples", lm, sec)
     if sec.self_instruct:
-        prompts += self_instruct(gen, lm.tokenizer, sec.self_instruct, seed=sec.seed,
-                                 batch_size=sec.gen_batch_size, progress=progress, shard_dir=shards)
+        prompts += self_instruct(gen, lm.tokenizer, sec.self_instruct, seed=sec.seed, batch_size=sec.gen_batch_size,
+                                 progress=progress, shard_dir=shards, openings=sec.self_instruct_openings)
     samples = self_distill(gen, lm.tokenizer, prompts, sec.max_new_tokens, SamplingConfig(temperature=sec.temperature),
                            sec.seed, sec.max_prompt_tokens, progress=progress, batch_size=sec.gen_batch_size,
                            shard_dir=shards)
@@ -139,14 +143,15 @@ def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list
 
 # the section fields the generated answers depend on (samples.jsonl adds `references`), and those the
 # cached features add
-ANSWER_INPUTS = ("data", "limit", "self_instruct", "max_new_tokens", "temperature", "max_prompt_tokens", "seed",
-                 "gen_batch_size", "gen_dtype")
+ANSWER_INPUTS = ("data", "limit", "self_instruct", "self_instruct_openings", "max_new_tokens", "temperature",
+                 "max_prompt_tokens", "seed", "gen_batch_size", "gen_dtype")
 FEATURE_INPUTS = ("features", "feature_dtype", "feature_layers")
 
 
 def _inputs_key(lm, sec: DistillSection) -> dict:
     """What the generated answers depend on."""
-    return {"model": repr(lm.args), **{k: str(getattr(sec, k)) for k in ANSWER_INPUTS}}
+    return {"model": repr(lm.args), **{k: str(getattr(sec, k)) for k in ANSWER_INPUTS
+                                       if getattr(sec, k) != []}}  # no openings: the key of runs before them
 
 
 def _shard_dir(folder: Path, lm, sec: DistillSection) -> Path:

@@ -119,6 +119,9 @@ def test_self_instruct_prompts_open_a_user_turn_and_are_distinct():
     assert 0 < len(prompts) <= 6 and len(set(prompts)) == len(prompts)
     assert all(len(p) >= 8 and "<eos>" not in p for p in prompts)
     assert self_instruct(model, tok, 6, max_tokens=40, batch_size=8, seed=3) == prompts  # seeded
+    seeded = self_instruct(model, tok, 12, max_tokens=40, batch_size=4, seed=3, openings=["w5 w6", "w7"])
+    assert seeded and all(p.startswith(("w5 w6 ", "w7 ")) for p in seeded)  # the opening begins the prompt
+    assert all(len(p.split()) > 2 for p in seeded)  # and the model wrote more than the opening
     tok.chat_template = None
     with pytest.raises(ConfigError, match="self_instruct"):
         user_turn_prefix(tok)

@@ -38,9 +38,24 @@ def test_self_instruct_prompts_join_the_data(tmp_path):
     assert samples[3].tokens[:samples[3].n_prompt] != samples[4].tokens[:samples[4].n_prompt]
 
 
+def test_self_instruct_openings_key_the_answers(tmp_path):
+    from polybasic.pipelines.distill import _inputs_key
+
+    tiny_hf_folder(tmp_path / "m", vocab=64)
+    lm = load_model(str(tmp_path / "m"))
+    free = _inputs_key(lm, section_from_dict({"self_instruct": 2}))
+    seeded = _inputs_key(lm, section_from_dict({"self_instruct": 2, "self_instruct_openings": ["w5"]}))
+    assert "self_instruct_openings" not in free  # runs made before openings existed keep their shards
+    assert seeded["self_instruct_openings"] == "['w5']" and {**seeded, "self_instruct_openings": None} != free
+
+
 def test_section_errors():
     with pytest.raises(ConfigError, match="distill.self_instruct"):
         section_from_dict({"self_instruct": -1})
+    with pytest.raises(ConfigError, match="distill.self_instruct_openings.*self_instruct is 0"):
+        section_from_dict({"self_instruct_openings": ["Summarize: "]})
+    with pytest.raises(ConfigError, match=r"distill.self_instruct_openings\[1\]: expected str"):
+        section_from_dict({"self_instruct": 4, "self_instruct_openings": ["ok", 3]})
     with pytest.raises(ConfigError, match="distill.train: strategy"):
         section_from_dict({"train": {"strategy": "nope"}})
     with pytest.raises(ConfigError, match="distill.data.*Spec-Bench"):
