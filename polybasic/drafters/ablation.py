@@ -620,18 +620,24 @@ def render_markdown(command: str, header: list[str], variants: list[Variant], re
               "`polybasic bench` on Spec-Bench at temperature t (new tokens per target forward, the prefill "
               "included); vs baseline: its difference from the baseline row's. steps: the head's optimizer "
               "steps (at a fixed epoch budget they follow the number of training sequences)."]
+    lines += category_tables(labels, {v.name: r["bench"] for v in variants if (r := results.get(v.name))})
+    return "\n".join(lines) + "\n"
+
+
+def category_tables(labels: list[str], benches: dict[str, dict]) -> list[str]:
+    """Markdown lines: per temperature label, one row of Spec-Bench tau per category for each
+    {variant name: {label: bench_summary(...)}} (in order)."""
+    lines: list[str] = []
     for lab in labels:
-        cats = list(dict.fromkeys(c for r in results.values() if r for c in r["bench"][lab]["per_category"]))
+        cats = list(dict.fromkeys(c for b in benches.values() for c in b[lab]["per_category"]))
         if not cats:
             continue
         lines += ["", f"## tau per Spec-Bench category, {lab}" + (" (greedy)" if lab == "T=0" else ""), "",
                   "| variant | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 1)]
-        for v in variants:
-            r = results.get(v.name)
-            if r is not None:
-                per = r["bench"][lab]["per_category"]
-                lines.append(f"| {v.name} | " + " | ".join(_fmt(per.get(c)) for c in cats) + " |")
-    return "\n".join(lines) + "\n"
+        for name, b in benches.items():
+            per = b[lab]["per_category"]
+            lines.append(f"| {name} | " + " | ".join(_fmt(per.get(c)) for c in cats) + " |")
+    return lines
 
 
 def header_lines(spec: AblationSpec, tree: dict) -> list[str]:
@@ -743,13 +749,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _temperatures(text: str) -> tuple[float, ...]:
+def parse_temperatures(text: str, flag: str = "--temperatures") -> tuple[float, ...]:
     try:
         ts = tuple(float(x) for x in split_top(text))
     except ValueError:
-        raise ConfigError(f"--temperatures: {text!r} is not a comma-separated list of numbers; use e.g. 0,1") \
-            from None
-    check(bool(ts) and all(t >= 0 for t in ts), "--temperatures", f"is {text!r}", "use numbers >= 0, e.g. 0,1")
+        raise ConfigError(f"{flag}: {text!r} is not a comma-separated list of numbers; use e.g. 0,1") from None
+    check(bool(ts) and all(t >= 0 for t in ts), flag, f"is {text!r}", "use numbers >= 0, e.g. 0,1")
     return ts
 
 
@@ -762,7 +767,7 @@ def spec_from_args(a: argparse.Namespace, argv: list[str]) -> AblationSpec:
     return AblationSpec(recipe=a.recipe, out=a.out, variants=variants,
                         budget=parse_overrides(a.budget, "--budget") if a.budget else {}, prompts=a.prompts,
                         per_category=a.per_category, max_new_tokens=a.max_new_tokens, k=a.k,
-                        temperatures=_temperatures(a.temperatures), questions=a.questions, seed=a.seed,
+                        temperatures=parse_temperatures(a.temperatures), questions=a.questions, seed=a.seed,
                         command=shlex.join(["python", "-m", "polybasic.drafters.ablation", *argv]))
 
 

@@ -7,8 +7,11 @@ features a finished run cached: this sweep trains one target head per variant on
 recipe's own TrainConfig and head settings plus the variant's overrides, and measures each head
 with the ablation's diagnostic (step-1 acceptance at the draft starts of a greedy 2-level chain and
 the walk's mean accepted length, on the last --prompts records of distill.data: never training
-prompts). Per variant it writes OUT/<name>/head.safetensors and OUT/<name>/result.json (a finished
-variant is skipped on a rerun with the same settings); OUT/sweep.md holds the table.
+prompts). With --bench T,... each head is also measured where the product uses it: `polybasic bench`
+with the 2-level chain [target, head] on Spec-Bench at each temperature (the ablation's bench: tau
+overall and per category). Per variant it writes OUT/<name>/head.safetensors, OUT/<name>/result.json
+and OUT/<name>/bench-T=t.json (each step is skipped on a rerun with the same settings); OUT/sweep.md
+holds the table.
 
 A variant is NAME:KEY=VALUE,... with keys
   train.FIELD     a TrainConfig field (lr, max_epochs, ttt_steps, noise_std, prompt_loss, ...)
@@ -19,7 +22,8 @@ A variant is NAME:KEY=VALUE,... with keys
                   come from the same target with the same feature_layers)
 
 python -m polybasic.drafters.sweep --recipe runs/d2x/pool/distill/recipe.yaml --out runs/d2-sweep \
-    --variant base: --variant lr1e-2-ep4:train.lr=0.01,train.max_epochs=4 [--prompts 20] [--k 5]
+    --variant base: --variant lr1e-2-ep4:train.lr=0.01,train.max_epochs=4 [--prompts 20] [--k 5] \
+    [--bench 0,1 --per-category 1 --bench-tokens 64]
 """
 from __future__ import annotations
 
@@ -33,8 +37,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from polybasic.artifacts import write_text
-from polybasic.drafters.ablation import (NAME_RE, Target, _fmt, cached, diagnose_head, heldout_prompts, heldout_sequences,
-                                         parse_overrides)
+from polybasic.drafters.ablation import (NAME_RE, AblationSpec, Target, _fmt, cached, category_tables, diagnose_head,
+                                         heldout_prompts, heldout_sequences, parse_overrides, parse_temperatures,
+                                         run_bench, temp_label)
 from polybasic.errors import ConfigError, check
 
 DATA_KEYS = ("fraction", "first", "features")
@@ -106,8 +111,9 @@ def training_samples(folders: list[Path], data: dict) -> list:
 
 
 def run_variant(recipe, run_out: Path, v: SweepVariant, out: Path, sequences: list, target: Target,
-                k: int, max_new_tokens: int, say=print) -> dict:
-    """Train (unless OUT/<name>/head.safetensors was made with the same settings) and diagnose."""
+                k: int, max_new_tokens: int, bench: AblationSpec | None = None, say=print) -> dict:
+    """Train (unless OUT/<name>/head.safetensors was made with the same settings), diagnose and, with
+    `bench` (its k, per_category, max_new_tokens, temperatures, questions, seed), bench the head."""
     from polybasic.drafters.data import DistillDataset
     from polybasic.drafters.module import fit
 
@@ -131,25 +137,40 @@ def run_variant(recipe, run_out: Path, v: SweepVariant, out: Path, sequences: li
     rep = cached(folder / "result.json", key,
                  lambda: diagnose_head(target(), folder / "head.safetensors", sequences, k, max_new_tokens))
     ds, al = rep["draft_start"], rep["all"]
+    benches = {}
+    for t in bench.temperatures if bench else ():
+        label = temp_label(t)
+
+        def measure(t=t, label=label) -> dict:
+            say(f"[{v.name}] bench {label}: {bench.per_category} question(s) per category")
+            return run_bench(target.model, str(folder / "head.safetensors"), t, bench,
+                             folder / f"bench-{label}.raw.json")
+
+        benches[label] = cached(folder / f"bench-{label}.json",
+                                {**key, "trained": trained, "temperature": t, **bench.measure_settings()}, measure)
     return {**trained, "step1": ds["step1"], "tau": ds["mean_accepted_length"], "depth": ds["depth_rate"],
-            "tf_step1": al["step1"], "coverage": ds["draft_vocab_coverage"]}
+            "tf_step1": al["step1"], "coverage": ds["draft_vocab_coverage"], "bench": benches}
 
 
-def render(command: str, variants: list[SweepVariant], rows: dict[str, dict]) -> str:
-    lines = [f"`{command}`", "",
-             "| variant | overrides | sequences | train s | step-1 at draft starts | P(depth 2 ok) | mean accepted "
-             "length (k drafts) | teacher-forced step 1 | draft-vocab coverage |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def render(command: str, variants: list[SweepVariant], rows: dict[str, dict], labels: list[str] = ()) -> str:
+    """sweep.md: the command, one row per variant (diagnostic, then Spec-Bench tau per temperature
+    label), then tau per Spec-Bench category at each label."""
+    cols = ["variant", "overrides", "sequences", "train s", "step-1 at draft starts", "P(depth 2 ok)",
+            "mean accepted length (k drafts)", "teacher-forced step 1", "draft-vocab coverage",
+            *(f"Spec-Bench tau {lab}" for lab in labels)]
+    lines = [f"`{command}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for v in variants:
         r = rows.get(v.name)
         over = ", ".join(f"{g}.{k}={val}" for g in ("train", "head", "data") for k, val in getattr(v, g).items())
         if r is None:
-            lines.append(f"| {v.name} | {over or '(recipe)'} | - | - | - | - | - | - | - |")
+            lines.append(f"| {v.name} | {over or '(recipe)'} |" + " - |" * (len(cols) - 2))
             continue
         d2 = r["depth"][1] if len(r["depth"]) > 1 else None
-        lines.append(f"| {v.name} | {over or '(recipe)'} | {r['sequences']} | {_fmt(r['train_s'], 0)} | "
-                     f"{_fmt(r['step1'])} | {_fmt(d2)} | {_fmt(r['tau'])} | {_fmt(r['tf_step1'])} | "
-                     f"{_fmt(r['coverage'])} |")
+        cells = [v.name, over or "(recipe)", str(r["sequences"]), _fmt(r["train_s"], 0), _fmt(r["step1"]), _fmt(d2),
+                 _fmt(r["tau"]), _fmt(r["tf_step1"]), _fmt(r["coverage"]),
+                 *(_fmt(r["bench"][lab]["tau"]) for lab in labels)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += category_tables(list(labels), {n: r["bench"] for n, r in rows.items()})
     return "\n".join(lines) + "\n"
 
 
@@ -164,7 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=20, help="held-out records: the last N of distill.data")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="the target's answer per held-out prompt")
     ap.add_argument("--k", type=int, default=5, help="draft tokens per round")
+    ap.add_argument("--bench", default=None, metavar="T,...",
+                    help="also bench each head on Spec-Bench at these temperatures (0: greedy), e.g. 0,1")
+    ap.add_argument("--per-category", type=int, default=1, help="with --bench: Spec-Bench questions per category")
+    ap.add_argument("--bench-tokens", type=int, default=64, help="with --bench: new tokens per question")
+    ap.add_argument("--questions", default=None, help="with --bench: Spec-Bench questions JSONL (none: the default)")
+    ap.add_argument("--seed", type=int, default=0, help="with --bench: the bench's sampling seed")
     a = ap.parse_args(argv)
+    for flag, value in (("--prompts", a.prompts), ("--k", a.k), ("--per-category", a.per_category),
+                        ("--bench-tokens", a.bench_tokens)):
+        check(value >= 1, flag, f"must be >= 1, got {value}", "use a positive int")
+    bench = None if a.bench is None else AblationSpec(
+        recipe=a.recipe, out=a.out, variants=[], per_category=a.per_category, max_new_tokens=a.bench_tokens, k=a.k,
+        temperatures=parse_temperatures(a.bench, "--bench"), questions=a.questions, seed=a.seed)
     recipe = load_recipe(a.recipe)
     variants = [parse_variant(t) for t in a.variant]
     check(len({v.name for v in variants}) == len(variants), "--variant", "names a variant twice", "rename one")
@@ -180,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict] = {}
     for v in variants:
         rows[v.name] = run_variant(recipe, Path(recipe.out_dir), v, out, sequences, target, a.k,
-                                   a.max_new_tokens)
-        print(json.dumps({"variant": v.name, **{k: rows[v.name][k] for k in ("train_s", "step1", "tau")}}),
-              flush=True)
-        write_text(out / "sweep.md", render(command, variants, rows))
+                                   a.max_new_tokens, bench)
+        print(json.dumps({"variant": v.name, **{k: rows[v.name][k] for k in ("train_s", "step1", "tau")},
+                          **{f"bench {lab}": b["tau"] for lab, b in rows[v.name]["bench"].items()}}), flush=True)
+        write_text(out / "sweep.md", render(command, variants, rows,
+                                            [temp_label(t) for t in bench.temperatures] if bench else []))
     print((out / "sweep.md").read_text())
     return 0
 

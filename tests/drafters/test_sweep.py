@@ -63,3 +63,35 @@ def test_a_bad_field_is_named_before_any_training(tmp_path):
     with pytest.raises(ConfigError, match="--variant x.*learning_rate"):
         S.main(["--recipe", str(recipe), "--out", str(tmp_path / "s"), "--variant", "x:train.learning_rate=1"])
     assert not (tmp_path / "s").exists()
+
+
+def test_bench_measures_each_head_on_spec_bench_once_per_temperature(tmp_path, monkeypatch):
+    """--bench: each head's 2-level chain through the real `polybasic bench` flags, tau per temperature
+    and per category in the table, cached per head and settings."""
+    from polybasic.cli import build_parser
+    from polybasic.drafters import ablation as A
+
+    recipe = _run(tmp_path)
+    calls = []
+
+    def fake_bench(model, head, t, spec, json_path):
+        argv = A.bench_argv(model, head, t, spec, json_path)
+        a = build_parser().parse_args(argv[3:])  # the flags `polybasic bench` really takes
+        assert (a.methods, a.draft_tokens, a.per_category, a.max_new_tokens) == (f"chain:eagle:{head}", 5, 1, 16)
+        calls.append((head.split("/")[-2], t))
+        return A.bench_summary({"config": {"prompts": 2}, "methods": {f"chain:eagle:{head}": {
+            "tau": 1.25 + t, "per_category": {"qa": {"tau": 1.5 + t}, "rag": {"tau": 1.0}}}}})
+
+    monkeypatch.setattr(S, "run_bench", fake_bench)
+    out = tmp_path / "sweep"
+    argv = ["--recipe", str(recipe), "--out", str(out), "--prompts", "2", "--max-new-tokens", "6",
+            "--variant", "base:", "--variant", "lr:train.lr=0.003", "--bench", "0,1", "--bench-tokens", "16"]
+    assert S.main(argv) == 0
+    assert calls == [("base", 0.0), ("base", 1.0), ("lr", 0.0), ("lr", 1.0)]
+    table = (out / "sweep.md").read_text()
+    assert "Spec-Bench tau T=0 | Spec-Bench tau T=1 |" in table
+    assert "| 1.250 | 2.250 |" in table
+    assert "## tau per Spec-Bench category, T=1" in table and "| lr | 2.500 | 1.000 |" in table
+    assert S.main(argv) == 0 and len(calls) == 4  # measured once: a rerun reads the cache
+    with pytest.raises(ConfigError, match="--bench"):
+        S.main([*argv[:-4], "--bench", "hot"])
