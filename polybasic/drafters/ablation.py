@@ -556,16 +556,23 @@ def measure_variant(spec: AblationSpec, p: Planned, train: dict, target: Target,
 
     seqs = cached(Path(spec.out) / "heldout.json", seq_key, sequences)
     report = cached(p.folder / "diagnose.json", base_key, diag)
-    bench = {}
+    return {"diagnose": report, "bench": bench_head(model, train["head"], spec, p.folder, base_key, say, "  ")}
+
+
+def bench_head(model: dict, head: str, spec: AblationSpec, folder: Path, key: dict, say=print,
+               tag: str = "") -> dict:
+    """{"T=t": bench_summary} of the chain [target, head] at each of spec.temperatures; each cached in
+    folder/bench-T=t.json under `key` plus the temperature (the raw bench JSON beside it)."""
+    out = {}
     for t in spec.temperatures:
         label = temp_label(t)
 
         def bench_at(t=t, label=label):
-            say(f"  bench {label}: {spec.per_category} question(s) per category")
-            return run_bench(model, train["head"], t, spec, p.folder / f"bench-{label}.raw.json")
+            say(f"{tag}bench {label}: {spec.per_category} question(s) per category")
+            return run_bench(model, head, t, spec, folder / f"bench-{label}.raw.json")
 
-        bench[label] = cached(p.folder / f"bench-{label}.json", {**base_key, "temperature": t}, bench_at)
-    return {"diagnose": report, "bench": bench}
+        out[label] = cached(folder / f"bench-{label}.json", {**key, "temperature": t}, bench_at)
+    return out
 
 
 # -- the report ---------------------------------------------------------------------------------

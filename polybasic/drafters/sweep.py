@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from polybasic.artifacts import write_text
-from polybasic.drafters.ablation import (NAME_RE, AblationSpec, Target, _fmt, cached, category_tables, diagnose_head,
-                                         heldout_prompts, heldout_sequences, parse_overrides, parse_temperatures,
-                                         run_bench, temp_label)
+from polybasic.drafters.ablation import (NAME_RE, AblationSpec, Target, _fmt, bench_head, cached, category_tables,
+                                         diagnose_head, heldout_prompts, heldout_sequences, parse_overrides,
+                                         parse_temperatures, temp_label)
 from polybasic.errors import ConfigError, check
 
 DATA_KEYS = ("fraction", "first", "features")
@@ -137,17 +137,9 @@ def run_variant(recipe, run_out: Path, v: SweepVariant, out: Path, sequences: li
     rep = cached(folder / "result.json", key,
                  lambda: diagnose_head(target(), folder / "head.safetensors", sequences, k, max_new_tokens))
     ds, al = rep["draft_start"], rep["all"]
-    benches = {}
-    for t in bench.temperatures if bench else ():
-        label = temp_label(t)
-
-        def measure(t=t, label=label) -> dict:
-            say(f"[{v.name}] bench {label}: {bench.per_category} question(s) per category")
-            return run_bench(target.model, str(folder / "head.safetensors"), t, bench,
-                             folder / f"bench-{label}.raw.json")
-
-        benches[label] = cached(folder / f"bench-{label}.json",
-                                {**key, "trained": trained, "temperature": t, **bench.measure_settings()}, measure)
+    benches = {} if bench is None else bench_head(
+        target.model, str(folder / "head.safetensors"), bench, folder,
+        {**key, "trained": trained, **bench.measure_settings()}, say, f"[{v.name}] ")
     return {**trained, "step1": ds["step1"], "tau": ds["mean_accepted_length"], "depth": ds["depth_rate"],
             "tf_step1": al["step1"], "coverage": ds["draft_vocab_coverage"], "bench": benches}
 

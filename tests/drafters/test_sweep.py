@@ -82,7 +82,7 @@ def test_bench_measures_each_head_on_spec_bench_once_per_temperature(tmp_path, m
         return A.bench_summary({"config": {"prompts": 2}, "methods": {f"chain:eagle:{head}": {
             "tau": 1.25 + t, "per_category": {"qa": {"tau": 1.5 + t}, "rag": {"tau": 1.0}}}}})
 
-    monkeypatch.setattr(S, "run_bench", fake_bench)
+    monkeypatch.setattr(A, "run_bench", fake_bench)
     out = tmp_path / "sweep"
     argv = ["--recipe", str(recipe), "--out", str(out), "--prompts", "2", "--max-new-tokens", "6",
             "--variant", "base:", "--variant", "lr:train.lr=0.003", "--bench", "0,1", "--bench-tokens", "16"]
