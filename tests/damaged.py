@@ -19,8 +19,8 @@ def write_weight_files(d: Path, **folder_kw) -> Path:
     q.safetensors and a drafter head h.safetensors (and their _rand / _trunc variants)."""
     import torch
 
-    from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
     from polybasic.models import load_model
+    from polybasic.models.eagle_head import DrafterConfig, EagleHead, save_head
     from polybasic.quant import QuantConfig, quantize_, save_quantized
 
     tiny_hf_folder(d / "m", **folder_kw)

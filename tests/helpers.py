@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from polybasic.models import ModelArgs, build_model, hf_to_lean_state_dict
+from polybasic.models import build_model, hf_to_lean_state_dict
+from polybasic.models.families import args_from_hf_config
 
 
 def tiny_llama_config(vocab: int = 128, hidden: int = 64, layers: int = 2, heads: int = 4,
@@ -44,7 +45,7 @@ def tiny_hf(family: str = "llama", seed: int = 0, **kw):
 
 
 def lean_from_hf(hf: LlamaForCausalLM, dtype=torch.float32):
-    args = ModelArgs.from_hf_config(hf.config)
+    args = args_from_hf_config(hf.config)
     return build_model(args, hf_to_lean_state_dict(hf.state_dict(), args), dtype)
 
 

@@ -1,2 +1,11 @@
-"""Spec-Bench harness: questions.py (load/select), methods.py (name -> runner registry),
-runner.py (interleaved timing, aggregation), report.py (JSON, markdown, tables), cli.py (`polybasic bench`)."""
+"""Spec-Bench harness: questions.py (load/select), methods.py (name -> runner registry), runner.py
+(interleaved timing, aggregation), suite.py (a whole run from its options), report.py (JSON,
+markdown, tables), plots.py (speedup per category). The flags: polybasic.cli.bench.
+
+The method names live here, free of torch, for the command line's help."""
+
+DEFAULT_METHODS = "vanilla,hf,hf-pld,pld"
+BUNDLE_METHODS = "vanilla,chain"  # with --bundle
+METHOD_NAMES = ("vanilla", "vanilla:DTYPE", "vanilla-compiled", "vanilla-compiled:DTYPE", "vanilla-compiled-dense",
+                "vanilla-compiled-dense:DTYPE", "hf", "hf-pld",
+                "hf-assisted:SOURCE[@DTYPE]", "pld", "chain:SPEC", "chain")

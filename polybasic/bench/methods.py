@@ -14,9 +14,18 @@ from pathlib import Path
 
 import torch
 
+from polybasic.config import SamplingConfig, check_dtype
 from polybasic.errors import ConfigError
+from polybasic.models import load_hf_model, load_model
+from polybasic.models.loader import LoadedModel
+from polybasic.models.preflight import check_source
+from polybasic.models.prepare import compile_for_device
+from polybasic.runtime.chain import Chain
+from polybasic.runtime.chain_builder import parse_chain
 from polybasic.runtime.context import timed
-from polybasic.runtime.sampling import SamplingConfig, make_generator
+from polybasic.runtime.generate import generate_tokens
+from polybasic.runtime.levels import ModelLevel, NGramLevel
+from polybasic.runtime.sampling import make_generator
 
 
 @dataclass
@@ -113,8 +122,6 @@ def make_runner(name: str, ctx: BenchContext) -> Runner:
 
 
 def _generate_runner(ctx: BenchContext, model) -> Runner:
-    from polybasic.runtime.generate import generate_tokens
-
     def run(prompt_ids: list[int], seed: int) -> Output:
         gen = make_generator(seed, model.device)
         with timed(model.device) as t:
@@ -124,8 +131,6 @@ def _generate_runner(ctx: BenchContext, model) -> Runner:
 
 
 def _check_dtype_arg(arg: str, field: str) -> None:
-    from polybasic.models.preflight import check_dtype
-
     check_dtype(arg, field)
 
 
@@ -142,7 +147,6 @@ def _target_in(ctx: BenchContext, dtype: str | None, method: str):
         import copy
 
         return copy.deepcopy(ctx.model)
-    from polybasic.models import load_model
 
     if not ctx.source:
         raise ConfigError(f"methods: '{method}:{dtype}' loads the target again; pass --model")
@@ -150,8 +154,6 @@ def _target_in(ctx: BenchContext, dtype: str | None, method: str):
 
 
 def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, method: str) -> Runner:
-    from polybasic.models.prepare import compile_for_device
-
     model = _target_in(ctx, dtype, method)
     compile_for_device(model, gguf, f"--methods {method}")
     if ctx.max_prompt_tokens:
@@ -215,8 +217,6 @@ def _hf_pld(ctx: BenchContext, arg: str | None) -> Runner:
 
 
 def _check_assistant(arg: str, field: str) -> None:
-    from polybasic.models.preflight import check_dtype, check_source
-
     source, dtype = split_source_dtype(arg)
     if dtype is not None:
         check_dtype(dtype, field)
@@ -230,8 +230,6 @@ def _hf_assisted(ctx: BenchContext, arg: str | None) -> Runner:
     """transformers assisted generation (`generate(assistant_model=...)`) with the assistant SOURCE
     (any source --model accepts) in DTYPE (default: the target's --dtype). The assistant must share
     the target's tokenizer; only transformers' own checks apply."""
-    from polybasic.models import load_hf_model
-
     source, dtype = split_source_dtype(arg)
     hf = ctx.hf_model()
     return _hf_runner(ctx, assistant_model=load_hf_model(source, dtype or ctx.dtype, hf.device))
@@ -239,8 +237,6 @@ def _hf_assisted(ctx: BenchContext, arg: str | None) -> Runner:
 
 def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds: list[int] | None = None,
                   k: int | None = None, adaptive_k: bool | None = None) -> Runner:
-    from polybasic.runtime.chain import Chain
-
     def run(prompt_ids: list[int], seed: int) -> Output:
         gen = make_generator(seed, ctx.model.device)  # the chain samples on the target's device
         with timed(ctx.model.device) as t:
@@ -260,8 +256,6 @@ def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds
 @register("pld")
 def _pld(ctx: BenchContext, arg: str | None) -> Runner:
     """Our chain with two levels: the target verifies drafts from an n-gram prompt-lookup level."""
-    from polybasic.runtime.levels import ModelLevel, NGramLevel
-
     return _chain_runner(ctx, lambda: [ModelLevel(ctx.model, name="target"),
                                        NGramLevel(max_ngram=3, min_ngram=1, name="ngram")])
 
@@ -269,7 +263,7 @@ def _pld(ctx: BenchContext, arg: str | None) -> Runner:
 @register("chain", MethodArg("SPEC"))
 def _chain(ctx: BenchContext, arg: str | None) -> Runner:
     """A chain spelled out below the target, e.g. chain:target+target@bfloat16+ngram
-    (see polybasic.runtime.spec), or with no spec the bundle's chain with its k and thresholds.
+    (see polybasic.runtime.chain_builder), or with no spec the bundle's chain with its k and thresholds.
     Lower levels are loaded once and reused for every prompt."""
     if arg is None:
         if ctx.bundle is None:
@@ -278,8 +272,6 @@ def _chain(ctx: BenchContext, arg: str | None) -> Runner:
         levels = ctx.bundle.chain.levels
         return _chain_runner(ctx, lambda: levels, None if d.thresholds is None else list(d.thresholds), d.k,
                              d.adaptive_k)
-    from polybasic.models.loader import LoadedModel
-    from polybasic.runtime.spec import parse_chain
 
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
     levels = parse_chain(arg, target, flag=f"--methods chain:{arg}", cache=ctx.levels)

@@ -5,9 +5,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from polybasic.data.catalog import SHIPPED, SPEC_BENCH, shipped_path
 from polybasic.errors import ConfigError
 
-DEFAULT_QUESTIONS = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"
+DEFAULT_QUESTIONS = SPEC_BENCH  # the shipped Spec-Bench questions, by short name (polybasic.data.catalog)
 SCHEMA = '{"question_id", "category", "turns": [...]}'
 UNCATEGORIZED = "uncategorized"  # the category of questions whose category is missing, empty or null
 
@@ -19,16 +20,11 @@ class Question:
     prompt: str  # first turn only
 
 
-def default_questions_path() -> Path:
-    """The Spec-Bench file `../shared/data/...` relative to the current dir, else to the repo root."""
-    repo_root = Path(__file__).resolve().parents[2]  # polybasic/bench/questions.py -> repo root
-    candidates = [Path.cwd() / DEFAULT_QUESTIONS, repo_root / DEFAULT_QUESTIONS]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    raise ConfigError(f"questions: the default Spec-Bench file was not found (looked at "
-                      f"{', '.join(str(c) for c in candidates)}); pass --questions FILE, a JSON-lines "
-                      f"file with one {SCHEMA} object per line")
+def questions_path(name: str | Path | None) -> Path:
+    """The question file: a shipped data set's short name (default `spec-bench`) or a path."""
+    name = DEFAULT_QUESTIONS if name is None or str(name) == "" else name
+    p = Path(name).expanduser()
+    return shipped_path(str(name)) if str(name) in SHIPPED and not p.exists() else p
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:
@@ -38,10 +34,10 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
     null, as in public question sets without categories: those questions form one category,
     UNCATEGORIZED ("uncategorized"); the bench then reports that single category.
     """
-    p = Path(path).expanduser() if path is not None else default_questions_path()
+    p = questions_path(path)
     if not p.is_file():
-        raise ConfigError(f"questions: file {p} does not exist; pass a JSON-lines file with one "
-                          f"{SCHEMA} object per line")
+        raise ConfigError(f"questions: file {p} does not exist; pass {SPEC_BENCH} or a JSON-lines file "
+                          f"with one {SCHEMA} object per line")
     out: list[Question] = []
     for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from polybasic.artifacts import write_text
+from polybasic.bench.plots import plot_speedup
 
 
 def cpu_model() -> str:
@@ -134,4 +135,5 @@ def write_outputs(doc: dict, json_path: str | Path | None, report_dir: str | Pat
         write_text(json_path, text)
     if report_dir:
         write_text(Path(report_dir) / "bench.json", text)
-        write_text(Path(report_dir) / "report.md", markdown(doc))
+        plot_speedup(doc, Path(report_dir) / "speedup.png")
+        write_text(Path(report_dir) / "report.md", markdown(doc) + "\n![speedup per category](speedup.png)\n")

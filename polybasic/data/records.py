@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from polybasic.data.catalog import SHIPPED
 from polybasic.data.source import FILE_SUFFIXES, DataSource, is_hub_id
 from polybasic.errors import ConfigError, DataNotFoundError
 
@@ -29,7 +30,7 @@ class Records:
 
 def read_records(src: DataSource, field: str) -> Records:
     """The records of `src`; `field` is the recipe field that named it (e.g. quantize.data)."""
-    p = Path(src.path).expanduser()
+    p = src.local_path()
     if p.is_file():
         suffix = p.suffix.lower()
         if suffix in (".json", ".jsonl"):
@@ -48,7 +49,8 @@ def read_records(src: DataSource, field: str) -> Records:
         recs = Records(src.path, _load_dataset(src.path, src, field, f"Hub dataset {src.path!r}"))
     else:
         raise DataNotFoundError(f"{field}: {p} does not exist; fix {field}.path (a relative path in a recipe is "
-                                f"relative to the recipe's folder) or name a Hub dataset id owner/name")
+                                f"relative to the recipe's folder), name a shipped data set "
+                                f"({', '.join(SHIPPED)}) or a Hub dataset id owner/name")
     return _map_fields(recs, src.fields, field)
 
 

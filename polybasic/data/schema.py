@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from polybasic.data.guard import refuse_benchmark
 from polybasic.data.records import Records, read_records
 from polybasic.data.source import DataSource
 from polybasic.errors import ConfigError
@@ -95,7 +96,10 @@ def validate(recs: Records, field: str, need_prompt: bool) -> list[Example]:
 
 
 def read_examples(src: DataSource, field: str, need_prompt: bool = False, limit: int | None = None) -> list[Example]:
-    """The first `limit` records of `src`, read and validated (see `read_records`, `validate`)."""
+    """The first `limit` records of `src`, read and validated (see `read_records`, `validate`). These
+    are training, calibration or profiling records: data holding a Spec-Bench question is refused."""
+    src.check_not_benchmark(field)
     recs = read_records(src, field)
+    refuse_benchmark(recs.rows, recs.source, field)
     lines = None if recs.lines is None else recs.lines[:limit]
     return validate(Records(recs.source, recs.rows[:limit], lines), field, need_prompt)

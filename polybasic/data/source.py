@@ -7,11 +7,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
-from polybasic.errors import check
+from polybasic.data.catalog import ALPACA, SHIPPED, SPEC_BENCH, shipped_path
+from polybasic.errors import ConfigError, check
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # polybasic/data/source.py -> the repo checkout
-# the bundled Alpaca subset (../shared/data/... beside the checkout); a default, so not recipe-relative
-DEFAULT_DATA = str((REPO_ROOT / "../shared/data/alpaca_1000/alpaca_data_cleaned_1000.json").resolve())
+DEFAULT_DATA = ALPACA  # the shipped Alpaca subset, by its short name (polybasic.data.catalog)
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 OUR_FIELDS = ("instruction", "input", "output", "conversations", "text")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -26,11 +25,13 @@ def is_hub_id(path: str) -> bool:
 class DataSource:
     """Records for a stage. In a recipe, `data: PATH` is short for `data: {path: PATH}`.
 
-    path: a local .json (a list of records), .jsonl (one record per line), .parquet or .csv file, a
+    path: the short name of a data set polybasic ships (`alpaca-1000`, see polybasic.data.catalog),
+      a local .json (a list of records), .jsonl (one record per line), .parquet or .csv file, a
       folder of such files, or a Hugging Face Hub dataset id `owner/name` (read with
       `datasets.load_dataset` through the HF cache; offline, HF_HUB_OFFLINE=1, it must have been
       loaded once before). A relative path written in a recipe is relative to the recipe file's
-      folder, not to the current directory; an id is a Hub id only when no such local path exists.
+      folder, not to the current directory; a short name or an id counts only when no such local
+      path exists.
     split: the split to read, with datasets' slice syntax (`train`, `test`, `train[:1000]`,
       `train[90%:]`); a local file has a single split, `train`.
     config: the Hub dataset's configuration name ('' = its default).
@@ -66,11 +67,24 @@ class DataSource:
         return self.path + (f" ({', '.join(extra)})" if extra else "")
 
     def resolved(self, base: Path) -> DataSource:
-        """This source with a relative local path made absolute against `base` (Hub ids stay)."""
+        """This source with a relative local path made absolute against `base` (short names of
+        shipped data and Hub ids stay as written)."""
         local = base / Path(self.path).expanduser()
-        if not local.exists() and is_hub_id(self.path):
+        if not local.exists() and (self.path in SHIPPED or is_hub_id(self.path)):
             return self
         return replace(self, path=resolve_path(self.path, base))
+
+    def local_path(self) -> Path:
+        """The file or folder to read: a shipped data set's package file, else the path as written."""
+        p = Path(self.path).expanduser()
+        return shipped_path(self.path) if self.path in SHIPPED and not p.exists() else p
+
+    def check_not_benchmark(self, field: str) -> None:
+        """A cheap check before any reading: the shipped benchmark, by name, is never training data
+        (the content check, polybasic.data.guard, runs when the records are read)."""
+        if self.path == SPEC_BENCH or self.local_path().resolve() == shipped_path(SPEC_BENCH).resolve():
+            raise ConfigError(f"{field}: points at the Spec-Bench questions; never train, calibrate or "
+                              f"profile on the benchmark: use other prompts, e.g. {field}: {ALPACA}")
 
 
 def resolve_path(path: str, base: Path) -> str:

@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from polybasic.data import DEFAULT_DATA, SCHEMAS, DataSource, read_examples  # noqa: F401 (DEFAULT_DATA)
 from polybasic.artifacts import fault_point, save_safetensors, seed_for, write_text
+from polybasic.config import SamplingConfig
+from polybasic.data import DEFAULT_DATA, SCHEMAS, DataSource, read_examples  # noqa: F401 (DEFAULT_DATA)
 from polybasic.errors import ConfigError
-from polybasic.runtime.sampling import SamplingConfig, make_generator
+from polybasic.runtime.batch import generate_batch
+from polybasic.runtime.sampling import make_generator
 from polybasic.runtime.text import encode_prompt, eos_ids
 
 
@@ -68,7 +70,6 @@ def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128
     a finished shard is read instead of generated again."""
     from tqdm import tqdm
 
-    from polybasic.runtime.batch import generate_batch
 
     eos = eos if eos is not None else eos_ids(tokenizer)
     ids = [encode_prompt(tokenizer, text)[-max_prompt_tokens:] for text in prompts]
@@ -126,7 +127,6 @@ def self_instruct(model, tokenizer, n: int, max_tokens: int = 96, seed: int = 0,
     finished turns are saved as a shard (`prompts-JJJJJ.jsonl`) and reused on a rerun."""
     from tqdm import tqdm
 
-    from polybasic.runtime.batch import generate_batch
 
     prefix = user_turn_prefix(tokenizer)
     eos = eos_ids(tokenizer)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -32,59 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from polybasic.artifacts import announce, fault_point, torch_save
-from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
+from polybasic.config import TrainConfig
+from polybasic.drafters.data import EpochSampler, collate
 from polybasic.errors import ConfigError, check
-
-TRAIN_VERSION = 1
-STRATEGIES = ("auto", "ddp", "deepspeed_stage_2")
-REGRESS = ("prenorm", "postnorm", "none")  # see the module docstring
-
-
-@dataclass
-class TrainConfig:
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    v_weight: float = 1.0
-    p_weight: float = 1.0
-    regress: str = "prenorm"  # the feature regression's target: prenorm | postnorm | none (module docstring)
-    noise_std: float = 0.0  # uniform feature noise of this width, times the feature's RMS
-    ttt_steps: int = 1  # > 1: training-time test (EAGLE-3), the head also learns from its own drafts
-    ttt_decay: float = 0.8  # loss weight of step j is ttt_decay**(j-1), normalised to sum to 1
-    grad_clip: float = 0.5
-    warmup_steps: int = 50  # linear warm-up, then linear decay to 5% of lr at the last step
-    prompt_loss: bool = False  # also learn on prompt positions (more data per sequence)
-    compile_loss: bool = True  # torch.compile the loss's passes over the vocabulary (needs a C++ compiler on CPU)
-    init_from_base: bool = True  # start the head's block from the base's last decoder layer
-    batch_size: int = 4
-    max_len: int = 1024
-    max_epochs: int = 1
-    max_steps: int = -1
-    checkpoint_every_n_steps: int = 200  # last.ckpt also every N optimizer steps (0: only at epoch ends)
-    strategy: str = "auto"
-    devices: int = 1
-    precision: str = "32-true"
-    seed: int = 0
-    log_every: int = 1
-    version: int = TRAIN_VERSION
-
-    def __post_init__(self) -> None:
-        check(self.strategy in STRATEGIES, "strategy", f"is {self.strategy!r}",
-              f"use one of {', '.join(STRATEGIES)}")
-        check(self.regress in REGRESS, "distill.train.regress", f"is {self.regress!r}",
-              f"use one of {', '.join(REGRESS)} (prenorm: the pre-norm feature, postnorm: the final "
-              "norm's output as EAGLE-1, none: token loss only as EAGLE-3)")
-        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}", "use e.g. 3e-4")
-        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}", "use 1 or more")
-        check(self.ttt_steps >= 1, "ttt_steps", f"must be >= 1, got {self.ttt_steps}",
-              "use 1 (teacher-forced only) or the draft length to train for, e.g. 3")
-        check(0 < self.ttt_decay <= 1, "ttt_decay", f"must be in (0, 1], got {self.ttt_decay}", "use e.g. 0.8")
-        check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "use 1 or more")
-        check(isinstance(self.checkpoint_every_n_steps, int) and self.checkpoint_every_n_steps >= 0,
-              "checkpoint_every_n_steps", f"must be an int >= 0, got {self.checkpoint_every_n_steps!r}",
-              "use e.g. 200 (0: checkpoint only at the end of each epoch)")
-        check(self.version == TRAIN_VERSION, "version", f"is {self.version}, expected {TRAIN_VERSION}",
-              "regenerate the recipe")
+from polybasic.models.eagle_head import DrafterConfig, EagleHead, frequent_tokens, save_head
+from polybasic.runtime.context import ExecutionContext
 
 
 class DistillModule(L.LightningModule):
@@ -314,31 +266,43 @@ def deepspeed_config(cfg: TrainConfig) -> dict:
     }
 
 
-def strategy_for(cfg: TrainConfig):
+def on_cuda(ctx: ExecutionContext | None) -> bool:
+    return ctx is not None and ctx.torch_device.type == "cuda"
+
+
+def strategy_for(cfg: TrainConfig, ctx: ExecutionContext | None = None):
+    """Lightning's strategy for cfg.strategy on the context's device (None: the CPU)."""
     if cfg.strategy == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        return DDPStrategy(process_group_backend=backend)
+        return DDPStrategy(process_group_backend="nccl" if on_cuda(ctx) else "gloo")
     if cfg.strategy == "deepspeed_stage_2":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.strategy: deepspeed_stage_2 needs CUDA GPUs and none is available; "
-                              "use 'ddp' (CPU, gloo) or 'auto'")
+        if not on_cuda(ctx):
+            raise ConfigError("train.strategy: deepspeed_stage_2 needs CUDA GPUs and the run is on the CPU; "
+                              "set model.device: cuda on a GPU machine, or use 'ddp' (CPU, gloo) or 'auto'")
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         return DeepSpeedStrategy(config=deepspeed_config(cfg))
     return "auto"
 
 
-def build_trainer(cfg: TrainConfig, out_dir: str | Path, **overrides) -> L.Trainer:
-    """Trainer writing `checkpoints/last.ckpt` (resumable; every epoch and every
-    cfg.checkpoint_every_n_steps steps) and head.safetensors beside it, both atomically."""
+def trainer_device(cfg: TrainConfig, ctx: ExecutionContext) -> dict:
+    """Lightning's accelerator and devices, from the execution context: cuda:N trains on GPU N, cuda on
+    cfg.devices GPUs, the CPU in cfg.devices processes (ddp)."""
+    if on_cuda(ctx):
+        index = ctx.torch_device.index
+        return {"accelerator": "gpu", "devices": [index] if index is not None else cfg.devices}
+    return {"accelerator": "cpu", "devices": cfg.devices}
+
+
+def build_trainer(cfg: TrainConfig, out_dir: str | Path, ctx: ExecutionContext, **overrides) -> L.Trainer:
+    """Trainer on the context's device writing `checkpoints/last.ckpt` (resumable; every epoch and
+    every cfg.checkpoint_every_n_steps steps) and head.safetensors beside it, both atomically."""
     out = Path(out_dir)
     ckpt = LastCheckpoint(out / "checkpoints" / "last.ckpt", cfg.checkpoint_every_n_steps)
     deepspeed = cfg.strategy == "deepspeed_stage_2"  # DeepSpeed writes its own checkpoint folder
     kw = dict(default_root_dir=str(out), max_epochs=cfg.max_epochs, max_steps=cfg.max_steps,
-              strategy=strategy_for(cfg), devices=cfg.devices,
-              accelerator="gpu" if cfg.strategy == "deepspeed_stage_2" else "auto",
+              strategy=strategy_for(cfg, ctx), **trainer_device(cfg, ctx),
               precision=cfg.precision, gradient_clip_val=None if cfg.strategy == "deepspeed_stage_2" else cfg.grad_clip,
               callbacks=[ckpt, HeadExport(out)], enable_checkpointing=False,
               plugins=[] if deepspeed else [_atomic_checkpoint_io()], log_every_n_steps=cfg.log_every, logger=False,
@@ -354,8 +318,6 @@ def build_trainer(cfg: TrainConfig, out_dir: str | Path, **overrides) -> L.Train
 
 def train_dataloader(dataset, cfg: TrainConfig):
     """Seeded per-epoch order, sharded over DDP ranks at iteration time."""
-    from polybasic.drafters.data import EpochSampler, collate
-
     sampler = EpochSampler(len(dataset), cfg.seed, [len(s.tokens) for s in dataset.samples], cfg.batch_size)
     return ResumableLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                            collate_fn=lambda b: collate(b, cfg.max_len, cfg.prompt_loss))
@@ -374,15 +336,15 @@ class ResumableLoader(torch.utils.data.DataLoader):
 
 
 def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str | Path,
-        resume: bool = True, **trainer_overrides) -> DistillModule:
-    """Train (resuming from out_dir/checkpoints/last.ckpt when present); returns the module. With
-    head_cfg.draft_vocab_size = N the draft vocabulary is the N most frequent answer tokens."""
+        resume: bool = True, ctx: ExecutionContext | None = None, **trainer_overrides) -> DistillModule:
+    """Train (resuming from out_dir/checkpoints/last.ckpt when present) where `ctx` says (default: the
+    base model's device); returns the module. With head_cfg.draft_vocab_size = N the draft vocabulary
+    is the N most frequent answer tokens."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    trainer = build_trainer(cfg, out_dir, **trainer_overrides)
+    ctx = ctx or ExecutionContext(str(next(base.parameters()).device), flag="distill: the base model's device")
+    trainer = build_trainer(cfg, out_dir, ctx, **trainer_overrides)
     d2t = None
     if head_cfg.draft_vocab_size:
-        from polybasic.drafters.head import frequent_tokens
-
         d2t = frequent_tokens(dataset.samples, head_cfg.draft_vocab_size, head_cfg.vocab_size)
     module = DistillModule(base, head_cfg, cfg, d2t)
     last = Path(out_dir) / "checkpoints" / "last.ckpt"

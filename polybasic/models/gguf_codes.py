@@ -120,7 +120,7 @@ def _blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     raise ValueError(f"GGUF block type {kind} has no code reader")
 
 
-KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # what read_codes reads
+BLOCK_QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # what read_codes reads
 
 
 def _parse(kind: str, raw: np.ndarray, n: int, k: int) -> BlockCodes:
@@ -132,13 +132,13 @@ def _parse(kind: str, raw: np.ndarray, n: int, k: int) -> BlockCodes:
 
 
 def read_codes(path: str | Path) -> list[BlockCodes]:
-    """Every 2-D tensor of a GGUF file in one of KINDS (F16/F32 and others keep their fp32 weights)."""
+    """Every 2-D tensor of a GGUF file in one of BLOCK_QUANT_TYPES (F16/F32 and others keep their fp32 weights)."""
     from gguf import GGML_QUANT_SIZES, GGUFReader
 
     out = []
     for t in GGUFReader(str(path)).tensors:
         kind = t.tensor_type.name
-        if kind not in KINDS or len(t.shape) != 2:
+        if kind not in BLOCK_QUANT_TYPES or len(t.shape) != 2:
             continue
         k, n = (int(s) for s in t.shape)  # GGUF lists the contiguous dim first
         block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]

@@ -19,12 +19,13 @@ import torch
 from safetensors.torch import save_file
 
 from polybasic.artifacts import atomic_path, clean_partials
+from polybasic.config import DTYPE_NAMES
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError
 from polybasic.models.args import ModelArgs
-from polybasic.models.llama import Transformer, build_model, hf_to_lean_state_dict
+from polybasic.models.decoder import Transformer, build_model, hf_to_lean_state_dict
+from polybasic.models.families import args_from_hf_config
+from polybasic.models.preflight import check_gguf, corrupt_safetensors, fix_for_folder, fix_for_gguf, source_kind
 from polybasic.models.prepare import prepare_for_device
-from polybasic.models.preflight import (DTYPE_NAMES, check_gguf, corrupt_safetensors, fix_for_folder,
-                                        fix_for_gguf, source_kind)
 from polybasic.models.registry import REGISTRY, cache_root, gguf_path
 
 log = logging.getLogger(__name__)
@@ -147,12 +148,12 @@ def load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def _folder_and_args(source: str) -> tuple[Path, ModelArgs]:
+def folder_and_args(source: str) -> tuple[Path, ModelArgs]:
     """The local HF folder of a source and the lean model's args from its config."""
     from transformers import AutoConfig
 
     folder = resolve_hf_folder(source)
-    return folder, ModelArgs.from_hf_config(AutoConfig.from_pretrained(folder))
+    return folder, args_from_hf_config(AutoConfig.from_pretrained(folder))
 
 
 def load_model(source: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
@@ -160,24 +161,11 @@ def load_model(source: str, dtype: str | torch.dtype = "float32", device: str | 
     (an ExecutionContext's, checked at the edge) and prepared for it (models.prepare)."""
     dt = parse_dtype(dtype)
     if str(source).endswith(".safetensors"):
-        return load_quantized_model(source, device)
-    folder, args = _folder_and_args(source)
+        raise ConfigError(f"model: {source} is a quantized copy; load it with "
+                          "polybasic.quant.load_quantized_model (or polybasic.quant.load_any_model)")
+    folder, args = folder_and_args(source)
     model = prepare_for_device(build_model(args, hf_to_lean_state_dict(read_state_dict(folder), args), dt, device))
     return LoadedModel(model, load_tokenizer(folder), args, source, folder)
-
-
-def load_quantized_model(path: str, device: str = "cpu") -> LoadedModel:
-    """A quantized copy written by `polybasic quantize`, with the tokenizer of the model it was
-    made from (recorded in its metadata); it runs in the dtype and kernels it was saved with."""
-    from polybasic.quant.api import load_quantized, quant_header
-
-    base = quant_header(path).get("source", "")
-    if not base:
-        raise ConfigError(f"model: {path} does not record the model it was quantized from (written by an "
-                          "older polybasic); re-run `polybasic quantize RECIPE.yaml`")
-    folder, args = _folder_and_args(base)
-    model = load_quantized(path, lambda: Transformer(args), device=device)
-    return LoadedModel(model, load_tokenizer(folder), args, str(path), folder)
 
 
 def load_hf_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

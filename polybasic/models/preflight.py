@@ -14,21 +14,12 @@ from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError, 
 from polybasic.models.registry import REGISTRY, cache_root
 
 # dtype spellings -> torch dtype names (loader.DTYPES maps them to torch dtypes)
-DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-               "float16": "float16", "fp16": "float16"}
 QUANT_FORMAT = "polybasic.quant"  # metadata "format" of a quantized copy (quant.api.save_quantized)
-HEAD_CONFIG_KEY = "drafter_config"  # metadata key of a drafter head (drafters.head.save_head)
+HEAD_CONFIG_KEY = "drafter_config"  # metadata key of a drafter head (models.eagle_head.save_head)
 FIX_QUANTIZED = "write it again with `polybasic quantize RECIPE.yaml`"
 FIX_HEAD = "write it again with `polybasic distill RECIPE.yaml`"
 GGUF_MAGIC = b"GGUF"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header (100 MB)
-
-
-def check_dtype(name: str, field: str = "dtype") -> str:
-    """name if it is a dtype spelling polybasic accepts."""
-    if name not in DTYPE_NAMES:
-        raise ConfigError(f"{field}: unknown dtype '{name}'; use one of {', '.join(DTYPE_NAMES)}")
-    return name
 
 
 def safetensors_header(path: str | Path, fix: str) -> dict:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from polybasic.errors import ConfigError
-from polybasic.models.llama import use_decode_layout
+from polybasic.models.decoder import use_decode_layout
 
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}  # the C++ wrapper cuts the compiled CPU step's Python overhead
 

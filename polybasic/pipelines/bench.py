@@ -6,6 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from polybasic.bench.questions import load_questions, select
+from polybasic.bench.suite import run_bench, validate
+from polybasic.pipelines.run import require
+from polybasic.runtime.bundle import load
+
 
 def _args(recipe, out: Path) -> argparse.Namespace:
     """The `polybasic bench --bundle` options this stage stands for."""
@@ -20,20 +25,14 @@ def _args(recipe, out: Path) -> argparse.Namespace:
 
 
 def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
-    from polybasic.bench.questions import load_questions, select
-    from polybasic.pipelines.run import require
-
     require(out, f"{recipe.export.folder}/manifest.json", "export", upstream, "bench")
     b = recipe.bench
     select(load_questions(b.questions or None), b.per_category, b.categories or None)
 
 
 def run_stage(ctx) -> list[Path]:
-    from polybasic.bench.cli import _validate, run_bench
-    from polybasic.runtime.bundle import load
-
     a = _args(ctx.recipe, ctx.out)
-    methods, sampling, questions = _validate(a)
+    methods, sampling, questions = validate(a)
     bundle = load(a.bundle, target=ctx.target, verify_target=False)
     run_bench(a, methods, sampling, questions, ctx.target, bundle)
-    return [ctx.out / "bench" / "bench.json", ctx.out / "bench" / "report.md"]
+    return [ctx.out / "bench" / "bench.json", ctx.out / "bench" / "report.md", ctx.out / "bench" / "speedup.png"]

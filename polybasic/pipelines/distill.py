@@ -20,97 +20,35 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from polybasic.artifacts import announce, clean_and_announce, write_json, write_text
-from polybasic.data import DEFAULT_DATA, DataSource
-from polybasic.drafters.data import (DistillDataset, Sample, compute_features, load_feature_shard,
-                                     load_pairs, reference_samples, save_feature_shard, self_distill,
-                                     self_instruct)
-from polybasic.drafters.head import DrafterConfig, check_feature_layers
-from polybasic.drafters.module import TrainConfig, fit
-from polybasic.errors import ConfigError, check
-from polybasic.pipelines.serde import from_dict
-from polybasic.runtime.sampling import SamplingConfig
+from polybasic.config import DistillSection, SamplingConfig, dump_recipe
+from polybasic.drafters.data import (
+    DistillDataset,
+    Sample,
+    compute_features,
+    load_feature_shard,
+    load_pairs,
+    reference_samples,
+    save_feature_shard,
+    self_distill,
+    self_instruct,
+)
+from polybasic.drafters.module import fit
+from polybasic.errors import ConfigError
+from polybasic.models.decoder import use_decode_layout
+from polybasic.models.eagle_head import DrafterConfig
+from polybasic.models.loader import parse_dtype
+from polybasic.quant.api import load_quantized_model
+from polybasic.quant.linear import QuantLinear
+from polybasic.runtime.context import ExecutionContext
 
-DRAFTERS = ("target", "quantized")
 SHARD = 256  # samples per feature shard
-
-
-@dataclass
-class DistillSection:
-    """The `distill` stage. data: Alpaca or ShareGPT records (a DataSource: a file or a Hub id, see
-    polybasic.data.DataSource; default the bundled Alpaca subset; never the Spec-Bench questions),
-    of which the first `limit` are used. quantized: a relative path in a recipe is relative to
-    the recipe's folder."""
-
-    data: DataSource = field(default_factory=lambda: DataSource(DEFAULT_DATA))
-    limit: int = 1000  # first N records
-    self_instruct: int = 0  # > 0: also this many prompts the target writes itself (Magpie), for diversity
-    self_instruct_openings: list[str] = field(default_factory=list)  # the self-written prompts' turns begin
-    # with these, in turn (task-seeded: "Summarize the following article:\n\n"; "" is a free turn)
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy answers
-    max_prompt_tokens: int = 512
-    seed: int = 0
-    gen_batch_size: int = 32  # prompts per batched decode loop
-    gen_dtype: str = "bfloat16"  # the target answers in this dtype (a bf16 copy is ~2x faster on CPU);
-    # float32: the answers an fp32 target gives (a bf16 copy's greedy answers drift from them)
-    references: bool = True  # also learn from the dataset's own answers (teacher-forced, off-policy)
-    features: str = "cache"  # cache: one batched prefill, safetensors shards; online: every step
-    feature_dtype: str = "bfloat16"  # the float target's features (and soft targets) come from a copy in
-    # this dtype and are cached in it; float32: exactly the fp32 target's (twice the cache)
-    feature_batch_tokens: int = 4096
-    drafters: list[str] = field(default_factory=lambda: ["target"])
-    quantized: str = ""  # the quantized copy; default <out_dir>/model.safetensors
-    draft_vocab_size: int = 0  # > 0: EAGLE-3 style reduced draft vocabulary
-    head_layers: int = 1  # decoder blocks in each head
-    feature_residual: bool = True  # the head's blocks read f_p + fc(...) (DrafterConfig.feature_residual)
-    feature_layers: list[int] = field(default_factory=list)  # also read these base layers' outputs (EAGLE-3)
-    train: TrainConfig = field(default_factory=TrainConfig)
-
-    def __post_init__(self) -> None:
-        from polybasic.models.loader import parse_dtype
-
-        check(self.self_instruct >= 0, "distill.self_instruct", f"must be >= 0, got {self.self_instruct}",
-              "use 0 (off) or the number of prompts the target should write")
-        check(not self.self_instruct_openings or self.self_instruct > 0, "distill.self_instruct_openings",
-              "is set but self_instruct is 0", "set self_instruct to the number of prompts to write")
-        for name in ("limit", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "feature_batch_tokens",
-                     "head_layers"):
-            check(getattr(self, name) > 0, f"distill.{name}", f"must be > 0, got {getattr(self, name)}",
-                  "use a positive int")
-        check("spec_bench" not in self.data.path, "distill.data", "points at the Spec-Bench questions",
-              "never train on the benchmark; use e.g. the Alpaca subset")
-        check(self.features in ("cache", "online"), "distill.features", f"is {self.features!r}",
-              "use 'cache' or 'online'")
-        check(bool(self.drafters) and set(self.drafters) <= set(DRAFTERS), "distill.drafters",
-              f"is {self.drafters}", f"list one or both of {', '.join(DRAFTERS)}")
-        from polybasic.models.loader import DTYPES
-
-        for name in ("gen_dtype", "feature_dtype"):
-            check(getattr(self, name) in DTYPES, f"distill.{name}", f"is {getattr(self, name)!r}",
-                  f"use one of {', '.join(DTYPES)} (float32: exactly the fp32 target's numerics)")
-            parse_dtype(getattr(self, name))
-        check(isinstance(self.feature_residual, bool), "distill.feature_residual",
-              f"must be true or false, got {self.feature_residual!r}", "use true (default) or false")
-        self.feature_layers = check_feature_layers(self.feature_layers, "distill.feature_layers")
-        check(isinstance(self.references, bool), "distill.references",
-              f"must be true or false, got {self.references!r}", "use true (default) or false")
-        SamplingConfig(temperature=self.temperature)
-
-
-def section_from_dict(data: dict) -> DistillSection:
-    return from_dict(DistillSection, data, "distill")
 
 
 def _as_dtype(model, dtype: str):
     """The model itself, or a copy in `dtype` (only float models; a quantized copy runs as saved)."""
-    from polybasic.models.llama import use_decode_layout
-    from polybasic.models.loader import parse_dtype
-    from polybasic.quant.linear import QuantLinear
-
     dt = parse_dtype(dtype)
     if model.dtype == dt or any(isinstance(m, QuantLinear) for m in model.modules()):
         return model
@@ -172,8 +110,6 @@ def _shard_dir(folder: Path, lm, sec: DistillSection) -> Path:
 def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Path,
                    progress: bool = False) -> list[Sample]:
     """Samples carrying the base's features, from cached shards (computed once, shard by shard)."""
-    from polybasic.models.loader import parse_dtype
-
     folder.mkdir(parents=True, exist_ok=True)
     base.use_feature_layers(sec.feature_layers)  # what the head reads (EagleHead.bind sets the same)
     model = _as_dtype(base, sec.feature_dtype)
@@ -217,14 +153,14 @@ def _base_for(name: str, lm, sec: DistillSection, run_dir: Path):
     """The model a drafter drafts for: the target, or its quantized copy."""
     if name == "target":
         return lm.model
-    from polybasic.models.loader import load_quantized_model
 
     return load_quantized_model(str(_quantized_path(sec, run_dir))).model
 
 
 def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False, run_dir: str | Path | None = None,
-                **trainer_overrides) -> dict:
-    """lm: a models.loader.LoadedModel (the target). Returns {drafter name: DistillModule}."""
+                execution: ExecutionContext | None = None, **trainer_overrides) -> dict:
+    """lm: a models.loader.LoadedModel (the target); execution: where the heads train (default: the
+    target's device). Returns {drafter name: DistillModule}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     clean_and_announce(out)
@@ -240,7 +176,7 @@ def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False
         data = samples if sec.features == "online" else _with_features(base, samples, sec, out / name / "features",
                                                                        progress)
         modules[name] = fit(base, DistillDataset(data, sec.train.max_len), head_cfg, sec.train, out / name,
-                            **trainer_overrides)
+                            ctx=execution, **trainer_overrides)
     return modules
 
 
@@ -255,12 +191,11 @@ def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
 
 def run_stage(ctx) -> list[Path]:
     """The stage in `polybasic distill|run`: heads for the shared target (and its quantized copy)."""
-    from polybasic.pipelines.serde import dump_recipe
-
     out = ctx.out / "distill"
     out.mkdir(parents=True, exist_ok=True)
     dump_recipe(ctx.recipe, out / "recipe.yaml")
-    run_distill(ctx.target, ctx.recipe.distill, out, progress=True, run_dir=ctx.out, enable_progress_bar=True)
+    run_distill(ctx.target, ctx.recipe.distill, out, progress=True, run_dir=ctx.out, execution=ctx.execution,
+                enable_progress_bar=True)
     heads = [out / name / "head.safetensors" for name in ctx.recipe.distill.drafters]
     for h in heads:
         print(f"wrote {h}")

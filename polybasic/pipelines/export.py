@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from polybasic.bench.report import machine_info
+from polybasic.config import to_dict
+from polybasic.models.loader import load_tokenizer, resolve_hf_folder
+from polybasic.pipelines.profile import chain_spelling
+from polybasic.pipelines.run import require
+from polybasic.runtime.bundle import Decoding, export_bundle
+from polybasic.runtime.chainspec import parse_chain_spec
+
 
 def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
-    from polybasic.pipelines.run import require
-
     require(out, "plan.json", "plan", upstream, "export")
 
 
@@ -23,12 +29,6 @@ def plan_summary(row: dict) -> dict:
 def run_stage(ctx) -> list[Path]:
     import yaml
 
-    from polybasic.bench.report import machine_info
-    from polybasic.models.loader import load_tokenizer, resolve_hf_folder
-    from polybasic.pipelines.profile import chain_spelling
-    from polybasic.pipelines.serde import to_dict
-    from polybasic.runtime.bundle import Decoding, export_bundle
-    from polybasic.runtime.chainspec import parse_chain_spec
 
     out, recipe = ctx.out, ctx.recipe
     plan = json.loads((out / "plan.json").read_text())

@@ -15,16 +15,22 @@ import hashlib
 import json
 from pathlib import Path
 
+from polybasic._lazy import load_entry
 from polybasic.artifacts import announce, fault_point, write_json
+from polybasic.config import SIBLING, ProfileSection, SamplingConfig
+from polybasic.drafters.data import load_pairs
 from polybasic.errors import ConfigError
-from polybasic.pipelines.sections import SIBLING, ProfileSection
+from polybasic.pipelines.quantize import sibling_folder
+from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance
+from polybasic.planner.profile import CostCurve, PairProfile, Profile
+from polybasic.runtime.chainspec import LEVEL_KINDS, named, parse_level_spec
+from polybasic.runtime.levels import ModelLevel, kv_compatible
+from polybasic.runtime.text import encode_prompt, eos_ids
 
 
 def own_level(name: str, out: Path) -> str:
     """The spelling of a recipe output's level name; other spellings as they are."""
     if name.startswith(SIBLING):
-        from polybasic.pipelines.quantize import sibling_folder
-
         return str(sibling_folder(out, name[len(SIBLING):]) / "model.safetensors")
     return {"quantized": str(out / "model.safetensors"),
             "eagle:target": f"eagle:{out / 'distill' / 'target' / 'head.safetensors'}",
@@ -67,8 +73,6 @@ def candidates(recipe, out: Path) -> list[str]:
 
 def held_out_prompts(recipe) -> list[str]:
     """The last `profile.prompts` prompts of profile.data; an error if the distill stage trains on them."""
-    from polybasic.drafters.data import load_pairs
-
     sec: ProfileSection = recipe.profile
     pairs = load_pairs(sec.data)
     if len(pairs) <= sec.prompts:
@@ -87,13 +91,11 @@ def held_out_prompts(recipe) -> list[str]:
 def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
     """Candidate spellings parse, their files exist unless an earlier stage of this run writes
     them, and the held-out prompts do not overlap the training prompts."""
-    from polybasic.runtime.chainspec import KINDS, named, parse_level_spec
-
     for name in candidates(recipe, Path(out)):
         with named(f"profile.levels: '{name}'"):
             spec = parse_level_spec(own_level(name, Path(out)))
             if _writer(name) not in upstream:
-                KINDS[spec.kind].check_files(spec)
+                LEVEL_KINDS[spec.kind].check_files(spec)
     held_out_prompts(recipe)
 
 
@@ -123,13 +125,6 @@ def _cached(work: Path, key: str, what: str, measure, to_dict, from_dict):
 def run_stage(ctx) -> list[Path]:
     from dataclasses import asdict, replace
 
-    from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance
-    from polybasic.planner.profile import CostCurve, PairProfile, Profile
-    from polybasic.runtime.chainspec import KINDS, parse_level_spec
-    from polybasic.runtime.levels import ModelLevel, kv_compatible
-    from polybasic.runtime.sampling import SamplingConfig
-    from polybasic.runtime.text import encode_prompt, eos_ids
-    from polybasic._lazy import load_entry
 
     recipe, out, lm = ctx.recipe, ctx.out, ctx.target
     sec: ProfileSection = recipe.profile
@@ -140,7 +135,7 @@ def run_stage(ctx) -> list[Path]:
     for name in names:  # bases first: an eagle head drafts on a level built before it
         spec = parse_level_spec(own_level(name, out))
         above = levels[_base_of(name)] if spec.kind == "eagle" else levels["target"]
-        levels[name] = load_entry(KINDS[spec.kind].builder)(spec, lm, above, lm.model.device)
+        levels[name] = load_entry(LEVEL_KINDS[spec.kind].builder)(spec, lm, above, lm.model.device)
         if levels[name].vocab_size is None:
             levels[name].vocab_size = levels["target"].vocab_size
     for n, lv in levels.items():  # profiled under the recipe's names: portable, unlike their file paths

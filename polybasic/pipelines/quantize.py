@@ -24,12 +24,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from polybasic.data import DataSource, Example, read_examples
 from polybasic.artifacts import announce, clean_and_announce, write_text
+from polybasic.config import UNTRAINED, Recipe, dump_recipe, parse_scheme, to_dict
+from polybasic.data import DataSource, Example, read_examples
 from polybasic.errors import ConfigError
-from polybasic.pipelines.recipe import Recipe, dump_recipe, to_dict
-from polybasic.quant.calibrate import build_quantized_model, calibrate, parse_scheme
-from polybasic.quant.config import UNTRAINED
+from polybasic.models import load_model
+from polybasic.models.decoder import use_decode_layout
+from polybasic.models.loader import parse_dtype
+from polybasic.models.preflight import check_source
+from polybasic.quant import QuantConfig, quantize_
+from polybasic.quant.api import save_quantized
+from polybasic.quant.calibrate import build_quantized_model, calibrate
+from polybasic.quant.from_gguf import GGUFCodes
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +139,6 @@ def _fingerprint(*parts) -> str:
 
 def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> dict:
     """lm: the fp32 target, when the caller has it loaded already."""
-    from polybasic.models import load_model
-
     q = recipe.quantize
     cal = q.calib
     check_inputs(recipe, out, set())  # before loading the model
@@ -205,8 +209,6 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
 
 def gguf_codes(lm, recipe: Recipe):
     """The GGUF codes of the model (method 'gguf'), or a ConfigError naming the field if it has none."""
-    from polybasic.quant.from_gguf import GGUFCodes
-
     if lm.gguf_file is None:
         raise ConfigError(f"quantize.calib.method / quantize.methods: 'gguf' keeps the codes of the GGUF "
                           f"file a model was converted from; {recipe.model.source} has none; use rtn")
@@ -228,13 +230,9 @@ def _ranges(idx: list[int]) -> str:
 def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_argmax, codes=None) -> dict:
     """Save the recipe's model with its execution kernel; evaluate it as deployed; time it against
     fp32 / bf16 (cached)."""
-    from dataclasses import replace
     import copy
+    from dataclasses import replace
 
-    from polybasic.models.llama import use_decode_layout
-    from polybasic.models.loader import parse_dtype
-    from polybasic.quant import QuantConfig, quantize_
-    from polybasic.quant.api import save_quantized
 
     q, cal = recipe.quantize, recipe.quantize.calib
     qconf = replace(cal.quant_config(q.kernel), quantize_lm_head=q.quantize_lm_head)
@@ -343,8 +341,6 @@ def _int8mm_verdict(lat: dict, k: int, fp: float) -> list[str]:
 def check_inputs(recipe: Recipe, out: Path, upstream: set[str]) -> None:
     """The calibration data parses and has more records than the holdout, and every sibling model
     source exists (before any model loads)."""
-    from polybasic.models.preflight import check_source
-
     q = recipe.quantize
     for i, src in enumerate(q.siblings):
         check_source(src, f"quantize.siblings[{i}]")

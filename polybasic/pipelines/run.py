@@ -18,8 +18,11 @@ from pathlib import Path
 
 from polybasic._lazy import load_entry
 from polybasic.artifacts import announce, clean_and_announce, write_json
+from polybasic.config import dump_recipe, load_recipe, to_dict
 from polybasic.errors import ConfigError
+from polybasic.models import load_model
 from polybasic.pipelines.stages import NAMES, STAGES, Stage
+from polybasic.runtime.context import ExecutionContext
 
 RECORDS = ".stages"
 
@@ -29,28 +32,28 @@ class StageContext:
     """What a stage runs with: the recipe, its output folder, the stages of this run, and the
     target, loaded on first use and shared by every stage."""
 
-    recipe: object  # pipelines.recipe.Recipe
+    recipe: object  # config.Recipe
     out: Path
     stages: tuple[str, ...]
     recipe_path: str = ""
+    execution: ExecutionContext | None = None  # model.device and model.dtype, checked (default: made from them)
     _target: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        m = self.recipe.model
+        self.execution = self.execution or ExecutionContext(m.device, m.dtype, flag="model.device")
 
     @property
     def target(self):
         """The recipe's model (models.loader.LoadedModel) in its dtype on its device, loaded once; the
         stages build their levels where it is."""
         if self._target is None:
-            from polybasic.models import load_model
-
-            m = self.recipe.model
-            self._target = load_model(m.source, m.dtype, m.device)
+            self._target = load_model(self.recipe.model.source, self.execution.dtype, self.execution.device)
         return self._target
 
 
 def fingerprint(st: Stage, recipe, upstream: dict[str, str]) -> str:
     """sha256 of a stage's inputs: the model, its sections, its upstream stages' fingerprints."""
-    from polybasic.pipelines.serde import to_dict
-
     model = to_dict(recipe.model)
     if model.get("device") == "cpu":  # the default: fingerprints stay those of runs made before the field
         del model["device"]
@@ -97,24 +100,22 @@ def check_inputs(recipe, out: Path, names: tuple[str, ...]) -> None:
 
 
 def run_recipe(recipe_path: str | Path, out_dir: str | Path | None = None,
-               only: tuple[str, ...] | None = None) -> StageContext:
-    """Run the recipe's stages (or only `only`), in the table's order."""
-    from polybasic.pipelines.recipe import load_recipe
-    from polybasic.pipelines.serde import dump_recipe
-
-    recipe = load_recipe(recipe_path)
+               only: tuple[str, ...] | None = None, overrides: tuple[str, ...] = ()) -> StageContext:
+    """Run the recipe's stages (or only `only`), in the table's order. recipe_path: a YAML file or a
+    shipped recipe's name; overrides: `section.field=value` items (`--set`)."""
+    recipe = load_recipe(recipe_path, overrides)
     names = tuple(n for n in NAMES if n in (only or recipe.stages))
     if only and not names:
         raise ConfigError(f"stages: none of {list(only)} is a stage; use {', '.join(NAMES)}")
     out = Path(out_dir or recipe.out_dir)
-    from polybasic.runtime.context import check_device
 
-    check_device(recipe.model.device, f"{recipe_path}: model.device")  # a missing GPU fails before any stage
+    # the run's one execution context: a missing GPU fails before any stage
+    execution = ExecutionContext(recipe.model.device, recipe.model.dtype, flag=f"{recipe_path}: model.device")
     check_inputs(recipe, out, names)
     out.mkdir(parents=True, exist_ok=True)
     clean_and_announce(out)
     dump_recipe(recipe, out / "recipe.yaml")
-    ctx = StageContext(recipe, out, names, str(recipe_path))
+    ctx = StageContext(recipe, out, names, str(recipe_path), execution)
     fps: dict[str, str] = {}  # what each stage's outputs are, for the stages downstream of it
     for st in STAGES:
         if st.name not in names:

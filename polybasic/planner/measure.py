@@ -11,14 +11,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from polybasic.drafters.level import EagleLevel
+from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError, check
 from polybasic.planner.profile import CostCurve, LevelProfile, PairProfile, Profile
 from polybasic.planner.theory import acceptance_rate
 from polybasic.runtime.chain import Chain, check_k
 from polybasic.runtime.context import timed
+from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
-from polybasic.runtime.sampling import SamplingConfig, make_generator
+from polybasic.runtime.sampling import make_generator
 from polybasic.runtime.stats import LinkStats
 
 

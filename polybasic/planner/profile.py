@@ -10,12 +10,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from polybasic.errors import ConfigError, check
 from polybasic.artifacts import write_json
-from polybasic.pipelines.serde import from_dict
+from polybasic.config import from_dict
+from polybasic.errors import ConfigError, check
 
 PROFILE_VERSION = 1
-KINDS = ("model", "eagle", "ngram")
+COST_KINDS = ("model", "eagle", "ngram")
 
 
 @dataclass
@@ -63,7 +63,7 @@ class LevelProfile:
     base: str | None = None  # eagle: the level whose features it was trained on
 
     def __post_init__(self) -> None:
-        check(self.kind in KINDS, f"levels[{self.name}].kind", f"unknown kind {self.kind!r}", f"use one of {KINDS}")
+        check(self.kind in COST_KINDS, f"levels[{self.name}].kind", f"unknown kind {self.kind!r}", f"use one of {COST_KINDS}")
         check((self.kind == "eagle") == (self.base is not None), f"levels[{self.name}].base",
               "is required for an eagle level and only for one", "name the level the head was trained on")
 

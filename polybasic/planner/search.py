@@ -16,9 +16,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from polybasic.artifacts import write_json
-from polybasic.errors import check
-from polybasic.planner.cost import (ChainConfig, LevelLoad, Prediction, baseline_ms, constant_times, predict,
-                                    predict_lemma)
+from polybasic.config import check_search_space
+from polybasic.planner.cost import (
+    ChainConfig,
+    LevelLoad,
+    Prediction,
+    baseline_ms,
+    constant_times,
+    predict,
+    predict_lemma,
+)
 from polybasic.planner.profile import Profile
 from polybasic.planner.theory import Insertion, Verdict, theorem_3_2
 
@@ -31,11 +38,7 @@ class SearchSpace:
     new_tokens: int | None = None  # amortise prefill over this many tokens; None: steady state
 
     def __post_init__(self) -> None:
-        check(bool(self.k_values) and min(self.k_values) >= 1, "k_values",
-              f"must be integers >= 1, got {self.k_values}", "e.g. [1, 2, 3, 4, 5]")
-        check(bool(self.thresholds) and min(self.thresholds) >= 1, "thresholds",
-              f"must be integers >= 1, got {self.thresholds}", "e.g. [2, 4, 6, 8]")
-        check(self.max_levels >= 2, "max_levels", f"must be >= 2, got {self.max_levels}", "a chain has >= 2 levels")
+        check_search_space(self.k_values, self.thresholds, self.max_levels)
 
 
 @dataclass

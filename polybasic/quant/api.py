@@ -15,9 +15,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from polybasic.artifacts import save_safetensors
+from polybasic.config import QuantConfig
 from polybasic.errors import ConfigError, ModelNotFoundError
+from polybasic.models.decoder import Transformer, use_decode_layout
+from polybasic.models.loader import LoadedModel, folder_and_args, load_model, load_tokenizer
 from polybasic.models.preflight import FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors, safetensors_metadata
-from polybasic.quant.config import QuantConfig
 from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
 
 FORMAT = QUANT_FORMAT
@@ -87,8 +90,6 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfi
     """Write model's state dict + config to one safetensors file, atomically (polybasic.artifacts).
     source: the float model's source (short name, folder, ...), so `load_model(path)` finds its
     architecture and tokenizer."""
-    from polybasic.artifacts import save_safetensors
-
     path = Path(path)
     tensors, aliases, seen = {}, {}, {}
     for name, t in model.state_dict().items():
@@ -165,8 +166,27 @@ def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.
     for alias, name in aliases.items():  # assign=True split the tensors shared at save time: share again
         (mod, _, attr), (src, _, src_attr) = alias.rpartition("."), name.rpartition(".")
         setattr(model.get_submodule(mod), attr, getattr(model.get_submodule(src), src_attr))
-    from polybasic.models.llama import use_decode_layout
 
     # the float modules left (e.g. a tied LM head) get the layout load_model gives them, so the copy
     # runs the same kernels on the same layouts as the model it was saved from: equal outputs
     return use_decode_layout(model.eval().requires_grad_(False))
+
+
+def load_quantized_model(path: str, device: str = "cpu") -> LoadedModel:
+    """A quantized copy written by `polybasic quantize`, with the tokenizer of the model it was
+    made from (recorded in its metadata); it runs in the dtype and kernels it was saved with."""
+    base = quant_header(path).get("source", "")
+    if not base:
+        raise ConfigError(f"model: {path} does not record the model it was quantized from (written by an "
+                          "older polybasic); re-run `polybasic quantize RECIPE.yaml`")
+    folder, args = folder_and_args(base)
+    model = load_quantized(path, lambda: Transformer(args), device=device)
+    return LoadedModel(model, load_tokenizer(folder), args, str(path), folder)
+
+
+def load_any_model(source: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
+    """`models.load_model(source)`, or the quantized copy a `.safetensors` source names (which runs in
+    the dtype and kernels it was saved with)."""
+    if str(source).endswith(".safetensors"):
+        return load_quantized_model(source, device)
+    return load_model(source, dtype, device)

@@ -22,10 +22,8 @@ Shapes: N samples, L tokens, E model dim, H heads, G kv heads, D head dim.
 from __future__ import annotations
 
 import copy
-import math
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +33,18 @@ if TYPE_CHECKING:
     from polybasic.quant.from_gguf import GGUFCodes
 
 from polybasic.artifacts import fault_point, seed_for, torch_save
-from polybasic.errors import ConfigError, PolybasicError, check
+from polybasic.config import UNTRAINED, CalibrationConfig, QuantConfig
+from polybasic.errors import ConfigError, PolybasicError
+from polybasic.models.blocks import NoCache, rope_tables
+from polybasic.models.decoder import use_decode_layout
 from polybasic.models.families import block_for
-from polybasic.models.llama import NoCache, rope_tables, use_decode_layout
-from polybasic.quant.config import BITS, METHODS, UNTRAINED, QuantConfig
 from polybasic.quant.linear import KERNEL_CLASSES, choose_kernel
-from polybasic.quant.primitives import (fake_quantize_activation, fake_quantize_weight,
-                                        quantize_weight, resolve_group_size)
+from polybasic.quant.primitives import (
+    fake_quantize_activation,
+    fake_quantize_weight,
+    quantize_weight,
+    resolve_group_size,
+)
 
 LINEARS = {"wqkv": "attention.wqkv", "wo": "attention.wo", "w13": "feed_forward.w13",
            "w2": "feed_forward.w2"}
@@ -57,66 +60,6 @@ class CalibrationDiverged(PolybasicError):
     def __init__(self, msg: str, layer: str, params: dict[str, Tensor]) -> None:
         super().__init__(msg)
         self.layer, self.params = layer, params
-
-
-@dataclass
-class CalibrationConfig:
-    method: str = "affinequant"  # rtn | omniquant | affinequant | gguf (the GGUF file's codes: quant.from_gguf)
-    w_bits: int = 4
-    a_bits: int = 4
-    group_size: int = 64
-    w_symmetric: bool = False
-    a_symmetric: bool = False
-    n_samples: int = 32  # calibration windows
-    seq_len: int = 256  # tokens per window
-    epochs: int = 2
-    batch_size: int = 2
-    lr_transform: float = 5e-3
-    lr_clip: float = 1e-2
-    stability: float = 1e-2  # AffineQuant's stability factor on the off-diagonal mask bands
-    smooth_alpha: float = 0.5  # SmoothQuant migration strength of the scale initialisation
-    clip_init: float = 4.0  # clipping logits start at sigmoid(4) = 0.982 (OmniQuant)
-    transforms_weight_only: bool = False  # learn transforms also when a_bits = 16
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        f = "CalibrationConfig."
-        check(self.method in METHODS, f + "method", f"unknown method {self.method!r}", f"use one of {METHODS}")
-        for name in ("n_samples", "seq_len", "batch_size"):
-            v = getattr(self, name)
-            check(isinstance(v, int) and v > 0, f + name, f"must be a positive int, got {v!r}", "fix it")
-        check(isinstance(self.epochs, int) and self.epochs >= 0, f + "epochs",
-              f"must be an int >= 0, got {self.epochs!r}", "use e.g. 2")
-        for name in ("lr_transform", "lr_clip", "stability"):
-            v = getattr(self, name)
-            check(v >= 0 and math.isfinite(v), f + name, f"must be finite and >= 0, got {v!r}", "fix it")
-        check(0 <= self.smooth_alpha <= 1, f + "smooth_alpha", f"must be in [0, 1], got {self.smooth_alpha}",
-              "use 0.5")
-        check(self.w_bits in BITS and self.a_bits in BITS, f + "w_bits",
-              f"bits must be in {BITS}, got w{self.w_bits}a{self.a_bits}", "use e.g. w_bits 4, a_bits 4")
-        self.quant_config()  # validates bits / group size combinations
-
-    def quant_config(self, kernel: str = "dequant") -> QuantConfig:
-        return QuantConfig(self.w_bits, self.a_bits, self.group_size, self.w_symmetric,
-                           self.a_symmetric, self.method, kernel)
-
-    @property
-    def uses_transforms(self) -> bool:
-        return self.method not in UNTRAINED and (self.a_bits < 16 or self.transforms_weight_only)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def parse_scheme(scheme: str, group_size: int, field: str = "scheme") -> tuple[int, int, int]:
-    """'w4a4' or 'w4a16-g32' -> (w_bits, a_bits, group_size); ConfigError naming `field`."""
-    import re
-
-    m = re.fullmatch(r"w(\d+)a(\d+)(?:-g(-?\d+))?", str(scheme))
-    check(m is not None, field, f"cannot parse scheme {scheme!r}", "write e.g. w4a4, w4a8, w4a16 or w4a16-g32")
-    w, a, g = int(m[1]), int(m[2]), int(m[3]) if m[3] else group_size
-    QuantConfig(w, a, g)  # validates the bits and the group size
-    return w, a, g
 
 
 # ---- pure math ----------------------------------------------------------------------------------
@@ -216,7 +159,7 @@ def block_loss(out: Tensor, target: Tensor) -> Tensor:
 
 # ---- model plumbing ---------------------------------------------------------------------------
 def block_weights(block: nn.Module) -> dict[str, Tensor]:
-    """fp32 detached copies of a models.llama.Block's weights."""
+    """fp32 detached copies of a models.blocks.Block's weights."""
     w = {k: block.get_submodule(fqn).weight.detach().float().clone() for k, fqn in LINEARS.items()}
     w.update({k: block.get_submodule(fqn).weight.detach().float().clone() for k, fqn in NORMS.items()})
     w.update({k: b.detach().float().clone() for k, fqn in BIASES.items()
@@ -276,7 +219,7 @@ def _batched(fn, x: Tensor, bs: int) -> Tensor:
 
 def calibrate(model: nn.Module, tokens: Tensor, cfg: CalibrationConfig, work_dir: str | Path | None = None,
               progress: bool = True) -> list[dict]:
-    """Calibrate every block of a models.llama.Transformer on tokens [N, L] (positions 0..L-1).
+    """Calibrate every block of a models.decoder.Transformer on tokens [N, L] (positions 0..L-1).
 
     Returns, per block, {"weights": transformed fp32 weights, "params": learned params, "resumed":
     whether the params were read from work_dir}; pass it to build_quantized_model. work_dir: each

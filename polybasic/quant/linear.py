@@ -25,11 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from polybasic.config import INT4PACK_GROUP_SIZES, QuantConfig
 from polybasic.errors import ConfigError
-from polybasic.quant.config import INT4PACK_GROUP_SIZES, QuantConfig
-from polybasic.quant.primitives import (dequantize_weight, fake_quantize_activation, pack_int4,
-                                        quantize_activation, quantize_weight, resolve_group_size,
-                                        unpack_int4)
+from polybasic.quant.primitives import (
+    dequantize_weight,
+    fake_quantize_activation,
+    pack_int4,
+    quantize_activation,
+    quantize_weight,
+    resolve_group_size,
+    unpack_int4,
+)
 
 CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA tinygemm layout's tile counts, best first (gpt-fast / torchao use 8)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
-from polybasic.models.llama import Transformer
+from polybasic.config import SamplingConfig
+from polybasic.models.decoder import Transformer
 from polybasic.runtime.generate import check_request
-from polybasic.runtime.sampling import SamplingConfig, probs_from_logits, sample
+from polybasic.runtime.sampling import probs_from_logits, sample
 
 COMPACT_SHARE = 0.25  # drop finished rows once they are this share of the rows still in the batch
 

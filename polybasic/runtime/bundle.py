@@ -24,14 +24,28 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from polybasic import __version__
+from polybasic.artifacts import atomic_path
+from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError, check
-from polybasic.runtime.chainspec import KINDS, ChainSpec, check_chain_files, named
+from polybasic.models.loader import load_model, load_tokenizer, resolve_hf_folder
+from polybasic.models.preflight import HEAD_CONFIG_KEY, check_source, safetensors_metadata, source_kind
+from polybasic.models.registry import REGISTRY, gguf_path
+from polybasic.models.registry import sha256_file as _sha
+from polybasic.runtime.chain import Chain, check_k
+from polybasic.runtime.chain_builder import build_chain
+from polybasic.runtime.chainspec import LEVEL_KINDS, ChainSpec, check_chain_files, named
+from polybasic.runtime.context import check_device
+from polybasic.runtime.hub import resolve_bundle
+from polybasic.runtime.model_card import render_model_card
+from polybasic.runtime.sampling import make_generator
+from polybasic.runtime.text import encode_prompt, eos_ids, stream_text
 
 FORMAT = "polybasic-chain-bundle"
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-FILE_KINDS = ("quantized", "eagle")  # levels whose weights travel in the bundle
-MODEL_KINDS = ("model",)  # levels that are other models, by reference like the target
+FILE_LEVEL_KINDS = ("quantized", "eagle")  # levels whose weights travel in the bundle
+REFERENCE_LEVEL_KINDS = ("model",)  # levels that are other models, by reference like the target
 
 
 @dataclass(frozen=True)
@@ -46,8 +60,6 @@ class Decoding:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        from polybasic.runtime.chain import check_k
-
         check_k(self.k)
         if self.thresholds is not None:
             object.__setattr__(self, "thresholds", tuple(int(t) for t in self.thresholds))
@@ -88,25 +100,18 @@ class Manifest:
 
 # -- fingerprints ---------------------------------------------------------------------------------
 def sha256_file(path: str | Path) -> str:
-    from polybasic.models.registry import sha256_file as _sha
-
     return _sha(Path(path))
 
 
 def source_sha256(source: str) -> str:
     """The sha256 that identifies a model source's weights without loading them: of its GGUF file
     (packaged short names, .gguf), of the file (.safetensors), or over a folder's *.safetensors."""
-    from polybasic.models.preflight import source_kind
-
     kind = source_kind(source)
     if kind == "registry":
-        from polybasic.models.registry import REGISTRY, gguf_path
-
         spec = REGISTRY[source]
         return spec.sha256 or sha256_file(gguf_path(spec))
     if kind in ("gguf", "quantized"):
         return sha256_file(Path(source).expanduser())
-    from polybasic.models.loader import resolve_hf_folder
 
     folder = resolve_hf_folder(source)
     h = hashlib.sha256()
@@ -130,8 +135,6 @@ def _model_ref(source: str, dtype: str, tokenizer) -> dict:
 def _level_config(kind: str, path: Path) -> dict:
     """What a level file says it is, from its header: a quantized copy's scheme, kernel, dtype and
     source; a head's drafter config."""
-    from polybasic.models.preflight import HEAD_CONFIG_KEY, safetensors_metadata
-
     meta = safetensors_metadata(path, "export it again")
     if kind == "quantized":
         return {"quant_config": json.loads(meta.get("quant_config", "{}")), "dtype": meta.get("dtype"),
@@ -148,9 +151,6 @@ def export_bundle(folder: str | Path, target_source: str, target_dtype: str, cha
 
     tokenizer: the target's; level_tokenizers: {level name: tokenizer} of 'model' levels (other
     models, stored by reference), checked equal to the target's."""
-    from polybasic import __version__
-    from polybasic.artifacts import atomic_path
-
     check_chain_files(chain)
     folder = Path(folder)
     target = _model_ref(target_source, target_dtype, tokenizer)
@@ -158,13 +158,13 @@ def export_bundle(folder: str | Path, target_source: str, target_dtype: str, cha
     with atomic_path(folder) as tmp:
         (tmp / "levels").mkdir(parents=True)
         for i, lv in enumerate(chain.levels, 1):
-            if lv.kind in FILE_KINDS:
+            if lv.kind in FILE_LEVEL_KINDS:
                 rel = f"levels/{i}-{lv.kind}.safetensors"
                 shutil.copyfile(Path(lv.path).expanduser(), tmp / rel)
                 lv = replace(lv, path=rel, name="")  # named by its place in the bundle
                 files[rel] = {"sha256": sha256_file(tmp / rel), "bytes": (tmp / rel).stat().st_size,
                               "level": lv.name, "config": _level_config(lv.kind, tmp / rel)}
-            elif lv.kind in MODEL_KINDS:
+            elif lv.kind in REFERENCE_LEVEL_KINDS:
                 tok = (level_tokenizers or {}).get(lv.name)
                 if tok is None:
                     raise ConfigError(f"export: level '{lv.name}' is another model; pass its tokenizer "
@@ -180,7 +180,6 @@ def export_bundle(folder: str | Path, target_source: str, target_dtype: str, cha
         if recipe_yaml is not None:
             (tmp / "recipe.yaml").write_text(recipe_yaml)
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
-        from polybasic.runtime.model_card import render_model_card
 
         (tmp / "README.md").write_text(render_model_card(manifest))
         if folder.exists():
@@ -244,7 +243,7 @@ def check_bundle(folder: str | Path, verify_target: bool = True) -> Manifest:
     where = f"bundle: {folder}"
     levels = []
     for lv in m.chain.levels:
-        if lv.kind in FILE_KINDS:
+        if lv.kind in FILE_LEVEL_KINDS:
             rel = Path(lv.path)
             path = folder / rel
             if rel.is_absolute() or ".." in rel.parts or not path.is_file():
@@ -252,7 +251,7 @@ def check_bundle(folder: str | Path, verify_target: bool = True) -> Manifest:
                                          "export the whole bundle again")
             lv = replace(lv, path=str(path))
             with named(f"{where}: level '{lv.name}'"):
-                KINDS[lv.kind].check_files(lv)  # a damaged or truncated file, by its header
+                LEVEL_KINDS[lv.kind].check_files(lv)  # a damaged or truncated file, by its header
             want = (m.files.get(str(rel)) or {}).get("sha256")
             if want is None:
                 raise ConfigError(f"{where}: {MANIFEST} lists no sha256 for {rel}; export the bundle again")
@@ -269,8 +268,6 @@ def check_bundle(folder: str | Path, verify_target: bool = True) -> Manifest:
 
 
 def _check_target(m: Manifest, folder: Path) -> None:
-    from polybasic.models.preflight import check_source
-
     t = m.target
     source = t.get("source") or ""
     with named(f"bundle: {folder}: target"):
@@ -280,7 +277,6 @@ def _check_target(m: Manifest, folder: Path) -> None:
         raise ConfigError(f"bundle: {folder}: the target '{source}' here has sha256 {got}, the bundle was made "
                           f"for {t.get('sha256')}: another build of the model; install the build the bundle "
                           "names or export the bundle again for this one")
-    from polybasic.models.loader import load_tokenizer, resolve_hf_folder
 
     tok = load_tokenizer(resolve_hf_folder(source))
     if tokenizer_sha256(tok) != t.get("tokenizer_sha256"):
@@ -312,8 +308,6 @@ class BundleDecoder:
         return self.manifest.predicted_speedup
 
     def sampling(self, **overrides):
-        from polybasic.runtime.sampling import SamplingConfig
-
         d = self.manifest.decoding
         base = {"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p}
         return SamplingConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
@@ -322,77 +316,25 @@ class BundleDecoder:
                seed: int | None = None, **sampling) -> Iterator[int]:
         """New token ids as the target commits them. prompt: text (chat template applied unless
         chat=False) or token ids. sampling: temperature / top_k / top_p overrides."""
-        from polybasic.runtime.sampling import make_generator
-        from polybasic.runtime.text import encode_prompt
-
         ids = list(prompt) if isinstance(prompt, list) else encode_prompt(self.tokenizer, prompt, chat=chat)
         return self.chain.stream(ids, max_new_tokens, self.sampling(**sampling), make_generator(seed, self.device))
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 256, **kw) -> Iterator[str]:
         """Text pieces as they are decoded."""
-        from polybasic.runtime.text import stream_text
-
         return stream_text(self.tokenizer, self.tokens(prompt, max_new_tokens, **kw))
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 256, **kw) -> str:
         """The whole answer as text; `stats` describes the run."""
         return "".join(self.stream(prompt, max_new_tokens, **kw))
 
-    def reprofile(self, reps: int = 5, k_values: tuple[int, ...] = tuple(range(1, 9)),
-                  thresholds: tuple[int, ...] = (2, 4, 6, 8, 10, 12)) -> dict:
-        """Re-measure the levels' forward costs on this machine, keep the bundle's measured pair
-        acceptances (they do not depend on the machine), re-plan among the bundle's levels (any
-        sub-chain, k, thresholds) and decode with the new best. Returns the new plan row."""
-        from polybasic.planner.measure import cost_curve
-        from polybasic.planner.profile import LevelProfile, Profile
-        from polybasic.planner.search import SearchSpace, plan
-        from polybasic.runtime.chain import Chain
-
-        m = self.manifest
-        names = (m.plan or {}).get("levels")
-        if not m.profile or not names:
-            raise ConfigError(f"bundle: {self.folder}: {MANIFEST} holds no profile and plan to re-plan from; "
-                              "export the bundle with `polybasic run` (profile, plan, export)")
-        old = Profile.from_dict(m.profile, "manifest profile")
-        by_name = dict(zip(names, self.chain.levels))
-        fresh = []
-        for name, level in by_name.items():
-            lp = old.level(name)
-            curve = cost_curve(level, lp.cost.tokens, lp.cost.context, reps)
-            fresh.append(LevelProfile(name, lp.kind, curve, lp.base))
-        profile = Profile(old.target, fresh, [p for p in old.pairs if {p.verifier, p.drafter} <= set(names)],
-                          self.device, old.sampling)
-        best = plan(profile, SearchSpace(list(k_values), list(thresholds), len(names),
-                                         (m.plan or {}).get("new_tokens", 128))).best
-        d = m.decoding
-        self.chain = Chain([by_name[n] for n in best.chain], k=best.k, thresholds=best.thresholds or None,
-                           eos=self.chain.eos, adaptive_k=d.adaptive_k)
-        self.manifest.plan = {**(m.plan or {}), "chain": best.spec, "levels": best.chain, "k": best.k,
-                              "thresholds": best.thresholds, "predicted_speedup": best.speedup,
-                              "predicted_speedup_lemma": best.speedup_lemma, "tau": best.tau,
-                              "reprofiled": True}
-        self.manifest.decoding = Decoding(best.k, tuple(best.thresholds) or None, d.adaptive_k, d.temperature,
-                                          d.top_k, d.top_p)
-        self.manifest.profile = profile.to_dict()
-        return self.manifest.plan
-
 
 def load(bundle: str | Path, device: str = "cpu", *, revision: str | None = None,
-         verify_target: bool = True, target=None, reprofile: bool = False) -> BundleDecoder:
+         verify_target: bool = True, target=None) -> BundleDecoder:
     """Load a chain bundle (a folder or a Hub id, through the HF cache) into a lossless decoder.
 
     Every check (schema, files, sha256, target identity, tokenizers) runs before any weights load.
     target: the bundle's target already loaded (a models.loader.LoadedModel), to share it.
-    reprofile: re-measure the levels' costs here and re-plan (see BundleDecoder.reprofile); by
-    default nothing is measured and the bundle's own plan runs."""
-    from polybasic.models.loader import load_model
-    from polybasic.runtime.chain import Chain
-    from polybasic.runtime.hub import resolve_bundle
-    from polybasic.runtime.spec import build_chain
-    from polybasic.runtime.text import eos_ids
-
-    from polybasic.runtime.context import check_device
-
+    Nothing is measured: the bundle's own plan runs (polybasic.planner.replan re-plans it here)."""
     device = str(check_device(device, "device"))  # before any check or load: a missing CUDA fails first
     folder = resolve_bundle(bundle, revision)
     m = check_bundle(folder, verify_target=verify_target)
@@ -401,7 +343,4 @@ def load(bundle: str | Path, device: str = "cpu", *, revision: str | None = None
     d = m.decoding
     chain = Chain(levels, k=d.k, thresholds=None if d.thresholds is None else list(d.thresholds),
                   eos=eos_ids(lm.tokenizer), adaptive_k=d.adaptive_k)
-    dec = BundleDecoder(folder, m, lm, chain, device)
-    if reprofile:
-        dec.reprofile()
-    return dec
+    return BundleDecoder(folder, m, lm, chain, device)

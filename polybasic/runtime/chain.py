@@ -17,10 +17,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError, check
 from polybasic.runtime.generate import check_request
 from polybasic.runtime.levels import Level, ModelLevel, kv_compatible
-from polybasic.runtime.sampling import SamplingConfig, check_generator, sample
+from polybasic.runtime.sampling import check_generator, sample
 from polybasic.runtime.stats import ChainStats, LinkStats
 from polybasic.runtime.verify import speculative_verify
 

@@ -3,10 +3,10 @@
 A `ChainSpec` is a tuple of `LevelSpec`s (the target itself is implicit, on top); `to_dict` /
 `from_dict` give its JSON form (what a bundle manifest stores), `parse_chain_spec` reads the
 `--chain` spelling, `check_chain_files` checks every file and name a spec refers to by its header.
-None of them imports torch or loads a model; `runtime.spec.build_chain` turns a spec into levels.
+None of them imports torch or loads a model; `runtime.chain_builder.build_chain` turns a spec into levels.
 
 The spelling is '+'-separated levels, top to bottom, optionally after 'target+'; each level kind
-(KINDS: eagle:PATH, ngram[:N], PATH.safetensors, target@DTYPE, SOURCE[@DTYPE], tried in this order)
+(LEVEL_KINDS: eagle:PATH, ngram[:N], PATH.safetensors, target@DTYPE, SOURCE[@DTYPE], tried in this order)
 parses its own form, and CHAIN_FORMS lists them for help texts. Example: 'target@bfloat16+ngram'.
 """
 from __future__ import annotations
@@ -17,16 +17,16 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from polybasic.config import check_dtype
 from polybasic.errors import ConfigError, PolybasicError
-from polybasic.models.preflight import (FIX_HEAD, HEAD_CONFIG_KEY, check_dtype, check_source,
-                                        safetensors_metadata)
+from polybasic.models.preflight import FIX_HEAD, HEAD_CONFIG_KEY, check_source, safetensors_metadata
 
 CHAIN_SPEC_VERSION = 1
 
 
 @dataclass(frozen=True)
 class LevelSpec:
-    """One level below the target. kind: a key of KINDS; the other fields are the kind's (see
+    """One level below the target. kind: a key of LEVEL_KINDS; the other fields are the kind's (see
     LevelKind.fields); name: its spelling, also the level's name in statistics."""
 
     kind: str
@@ -37,28 +37,28 @@ class LevelSpec:
     name: str = ""  # default: the canonical spelling
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"kind: unknown level kind '{self.kind}'; use one of {', '.join(KINDS)}")
-        KINDS[self.kind].validate(self)
+        if self.kind not in LEVEL_KINDS:
+            raise ConfigError(f"kind: unknown level kind '{self.kind}'; use one of {', '.join(LEVEL_KINDS)}")
+        LEVEL_KINDS[self.kind].validate(self)
         if not self.name:
-            object.__setattr__(self, "name", KINDS[self.kind].spell(self))
+            object.__setattr__(self, "name", LEVEL_KINDS[self.kind].spell(self))
 
     def to_dict(self) -> dict:
         """{'kind', the kind's own fields, 'name'}: JSON-able."""
         d = asdict(self)
-        return {"kind": self.kind, **{f: d[f] for f in KINDS[self.kind].fields}, "name": self.name}
+        return {"kind": self.kind, **{f: d[f] for f in LEVEL_KINDS[self.kind].fields}, "name": self.name}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LevelSpec":
         if not isinstance(d, dict):
             raise ConfigError(f"a level must be an object like {{'kind': 'ngram', 'max_ngram': 3}}, got {d!r}")
         kind = d.get("kind")
-        if kind not in KINDS:
-            raise ConfigError(f"kind: unknown level kind {kind!r}; use one of {', '.join(KINDS)}")
-        unknown = set(d) - {"kind", "name", *KINDS[kind].fields}
+        if kind not in LEVEL_KINDS:
+            raise ConfigError(f"kind: unknown level kind {kind!r}; use one of {', '.join(LEVEL_KINDS)}")
+        unknown = set(d) - {"kind", "name", *LEVEL_KINDS[kind].fields}
         if unknown:
             raise ConfigError(f"'{kind}' level: unknown fields {sorted(unknown)}; a '{kind}' level has "
-                              f"{', '.join(KINDS[kind].fields) or 'no fields'}")
+                              f"{', '.join(LEVEL_KINDS[kind].fields) or 'no fields'}")
         return cls(**d)
 
 
@@ -79,7 +79,7 @@ class ChainSpec:
             raise ConfigError("names no level below the target; e.g. 'target@bf16+ngram'")
         above = "target"
         for lv in self.levels:
-            if KINDS[lv.kind].drafts_on_features and above not in MODEL_KINDS:
+            if LEVEL_KINDS[lv.kind].drafts_on_features and above not in FEATURE_LEVEL_KINDS:
                 raise ConfigError(f"'{lv.name}' drafts on the features of the level above it, which is "
                                   f"not a model; put the head right below a model level, e.g. "
                                   f"'target@bf16+{lv.name}'")
@@ -113,7 +113,7 @@ class LevelKind:
     spell: Callable[[LevelSpec], str]  # the canonical spelling of a spec
     validate: Callable[[LevelSpec], None] = lambda spec: None  # field values (pure)
     check_files: Callable[[LevelSpec], None] = lambda spec: None  # the files it names (cheap reads)
-    builder: str = ""  # "module:function", build(spec, target, above, device) -> Level (runtime.spec)
+    builder: str = ""  # "module:function", build(spec, target, above, device) -> Level (runtime.chain_builder)
     drafts_on_features: bool = False  # reads the features of the level above it
 
 
@@ -145,7 +145,7 @@ def _parse_eagle(item: str) -> LevelSpec | None:
 
 def _needs_path(spec: LevelSpec) -> None:
     if not spec.path:
-        raise ConfigError(f"'{spec.kind}' level needs a file path, e.g. {KINDS[spec.kind].example}")
+        raise ConfigError(f"'{spec.kind}' level needs a file path, e.g. {LEVEL_KINDS[spec.kind].example}")
 
 
 def _check_head(spec: LevelSpec) -> None:
@@ -188,30 +188,30 @@ def _validate_model(spec: LevelSpec) -> None:
         raise ConfigError("'model' level needs a source, e.g. smollm2-135m@bf16")
 
 
-KINDS: dict[str, LevelKind] = {k.name: k for k in [
+LEVEL_KINDS: dict[str, LevelKind] = {k.name: k for k in [
     LevelKind("eagle", "eagle:PATH", "eagle:runs/smollm2-cpu/distill/target/head.safetensors",
               "an EAGLE drafter head (`polybasic distill`), drafting on the features of the model "
               "level right above it", ("path",), _parse_eagle, lambda s: f"eagle:{s.path}",
-              _needs_path, _check_head, "polybasic.runtime.spec:build_eagle", drafts_on_features=True),
+              _needs_path, _check_head, "polybasic.runtime.chain_builder:build_eagle", drafts_on_features=True),
     LevelKind("ngram", "ngram[:N]", "ngram:3", "prompt lookup: proposes what followed the longest "
               "matching n-gram (N at most, default 3) of the context", ("max_ngram",), _parse_ngram,
-              lambda s: f"ngram:{s.max_ngram}", _validate_ngram, builder="polybasic.runtime.spec:build_ngram"),
+              lambda s: f"ngram:{s.max_ngram}", _validate_ngram, builder="polybasic.runtime.chain_builder:build_ngram"),
     LevelKind("quantized", "PATH.safetensors", "runs/smollm2-cpu/model.safetensors",
               "a quantized copy of the target written by `polybasic quantize`", ("path",), _parse_quantized,
               lambda s: s.path, _needs_path, lambda s: check_source(s.path, "quantized copy"),
-              "polybasic.runtime.spec:build_quantized"),
+              "polybasic.runtime.chain_builder:build_quantized"),
     LevelKind("target", "target@DTYPE", "target@bfloat16", "the target's own weights in another dtype",
               ("dtype",), _parse_target, lambda s: f"target@{s.dtype}", _validate_dtype,
-              builder="polybasic.runtime.spec:build_target"),
+              builder="polybasic.runtime.chain_builder:build_target"),
     LevelKind("model", "SOURCE[@DTYPE]", "smollm2-135m@bf16", "any model source --model accepts (short "
               "name, .gguf file, Hugging Face folder, Hub id), in DTYPE (default float32)",
               ("source", "dtype"), _parse_model, lambda s: f"{s.source}@{s.dtype}", _validate_model,
-              lambda s: check_source(s.source, "model source"), "polybasic.runtime.spec:build_model"),
+              lambda s: check_source(s.source, "model source"), "polybasic.runtime.chain_builder:build_model"),
 ]}
-MODEL_KINDS = ("target", "model", "quantized")  # levels with features an eagle head can read
+FEATURE_LEVEL_KINDS = ("target", "model", "quantized")  # levels with features an eagle head can read
 
 CHAIN_FORMS = "\n".join(textwrap.fill(f"{k.form:<17} {k.summary}; e.g. {k.example}", 96, initial_indent="  ",
-                                      subsequent_indent=" " * 20) for k in KINDS.values())
+                                      subsequent_indent=" " * 20) for k in LEVEL_KINDS.values())
 CHAIN_HELP = ("A chain is the levels below the target, top to bottom, '+'-separated (optionally\n"
               "after 'target+'); each level is one of:\n" + CHAIN_FORMS +
               "\nExample: target@bfloat16+ngram (the target <- its bf16 copy <- prompt lookup)")
@@ -231,7 +231,7 @@ def parse_level_spec(item: str) -> LevelSpec:
     item = item.strip()
     if not item:
         raise ConfigError("empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
-    for kind in KINDS.values():
+    for kind in LEVEL_KINDS.values():
         spec = kind.parse(item)
         if spec is not None:
             return spec
@@ -256,6 +256,6 @@ def check_chain_files(spec: ChainSpec, flag: str = "chain") -> ChainSpec:
     """Check every file and model name the spec refers to, by headers only (no torch); returns spec."""
     for lv in spec.levels:
         with named(f"{flag}: level '{lv.name}'"):
-            KINDS[lv.kind].check_files(lv)
+            LEVEL_KINDS[lv.kind].check_files(lv)
     return spec
 

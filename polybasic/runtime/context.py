@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from polybasic.errors import ConfigError
+from polybasic.models.loader import parse_dtype
+from polybasic.runtime.sampling import make_generator
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -79,16 +81,12 @@ class ExecutionContext:
     flag: str = "--device"
 
     def __post_init__(self) -> None:
-        from polybasic.models.loader import parse_dtype
-
         self.torch_device = check_device(self.device, self.flag)
         self.device = str(self.torch_device)
         self.torch_dtype = parse_dtype(self.dtype)
 
     def generator(self, seed: int | None = None) -> torch.Generator:
         """A generator on this device, seeded with `seed` (default: the context's seed)."""
-        from polybasic.runtime.sampling import make_generator
-
         return make_generator(self.seed if seed is None else seed, self.torch_device)
 
     def synchronize(self) -> None:

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError, check
-from polybasic.models.llama import Transformer
+from polybasic.models.decoder import Transformer
 from polybasic.runtime.context import synchronize
-from polybasic.runtime.sampling import SamplingConfig, check_generator, probs_from_logits, sample
+from polybasic.runtime.sampling import check_generator, probs_from_logits, sample
 
 
 @dataclass

@@ -17,8 +17,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from polybasic.config import SamplingConfig
+from polybasic.errors import check
 from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES
-from polybasic.runtime.sampling import SamplingConfig, probs_from_logits, sample
+from polybasic.runtime.sampling import probs_from_logits, sample
 
 
 @dataclass
@@ -160,7 +162,6 @@ class NGramLevel(Level):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram",
                  vocab_size: int | None = None) -> None:
         super().__init__()
-        from polybasic.errors import check
 
         check(min_ngram >= 1, "min_ngram", f"must be >= 1, got {min_ngram}", "use 1 or more")
         check(max_ngram >= min_ngram, "max_ngram", f"must be >= min_ngram ({min_ngram}), got {max_ngram}",

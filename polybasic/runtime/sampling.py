@@ -6,30 +6,11 @@ one-hot distribution of the argmax.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from polybasic.errors import ConfigError, check
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-
-    def __post_init__(self) -> None:
-        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}",
-              "use 0 for greedy decoding or a positive value for sampling")
-        check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}", "use 0 to disable top-k")
-        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}",
-              "use 1.0 to disable nucleus sampling")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from polybasic.config import SamplingConfig
+from polybasic.errors import ConfigError
 
 
 def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:

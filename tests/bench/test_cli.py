@@ -191,7 +191,7 @@ def test_questions_without_categories_report_one_category(tiny_model_dir, tmp_pa
 
 
 def test_help_lists_every_method():
-    from polybasic.bench.cli import METHOD_NAMES
+    from polybasic.bench import METHOD_NAMES
     from polybasic.bench.methods import ARGS, METHODS
 
     # a method whose argument is optional is listed with and without it

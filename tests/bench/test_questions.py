@@ -12,13 +12,11 @@ def test_loads_first_turn_only(questions_file):
     assert qs[0] == Question(0, "writing", qs[0].prompt) and "second" not in qs[0].prompt
 
 
-def test_default_spec_bench_file_if_present():
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    if not (root / DEFAULT_QUESTIONS).is_file():
-        pytest.skip("Spec-Bench data not present beside the repo")
+def test_default_is_the_shipped_spec_bench(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # any folder: the questions are package data
+    assert DEFAULT_QUESTIONS == "spec-bench"
     qs = load_questions()
+    assert load_questions("spec-bench") == qs
     assert len(qs) == 480 and len({q.category for q in qs}) == 13
 
 

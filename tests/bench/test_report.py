@@ -2,10 +2,10 @@
 import json
 import os
 
-from polybasic.bench.cli import build_document
 from polybasic.artifacts import write_text
 from polybasic.bench.report import machine_info, markdown, text_table, write_outputs
 from polybasic.bench.runner import Record
+from polybasic.bench.suite import build_document
 
 
 def doc():
@@ -70,4 +70,4 @@ def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
 def test_write_outputs(tmp_path):
     write_outputs(doc(), tmp_path / "b.json", tmp_path / "rep")
     assert json.loads((tmp_path / "b.json").read_text())["methods"]["pld"]["identical_to_vanilla"] == "1/1"
-    assert sorted(os.listdir(tmp_path / "rep")) == ["bench.json", "report.md"]
+    assert sorted(os.listdir(tmp_path / "rep")) == ["bench.json", "report.md", "speedup.png"]

@@ -1,6 +1,5 @@
 """Self-distillation data: Alpaca / ShareGPT / JSONL prompts, clear errors, base-model answers."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -46,7 +45,6 @@ def test_errors(tmp_path):
         DistillDataset([], 64)
 
 
-@pytest.mark.skipif(not Path(DEFAULT_DATA).is_file(), reason="shared data not present")
 def test_default_alpaca_file():
     prompts = load_prompts(DEFAULT_DATA, limit=5)
     assert len(prompts) == 5 and all(prompts)
@@ -71,7 +69,7 @@ def test_features_batched_equal_single_and_shards_round_trip(tmp_path):
     import torch
 
     from polybasic.drafters.data import Sample, compute_features, load_feature_shard, save_feature_shard
-    from polybasic.drafters.train_smoke import tiny_base
+    from tests.drafters.train_smoke import tiny_base
 
     base = tiny_base()
     g = torch.Generator().manual_seed(0)

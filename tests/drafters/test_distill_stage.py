@@ -3,10 +3,11 @@ import json
 
 import pytest
 
-from polybasic.drafters.head import load_head
+from polybasic.config import section_from_dict
 from polybasic.errors import ConfigError
 from polybasic.models import load_model
-from polybasic.pipelines.distill import run_distill, section_from_dict
+from polybasic.models.eagle_head import load_head
+from polybasic.pipelines.distill import run_distill
 from tests.helpers import tiny_hf_folder
 
 
@@ -59,7 +60,7 @@ def test_section_errors():
     with pytest.raises(ConfigError, match="distill.train: strategy"):
         section_from_dict({"train": {"strategy": "nope"}})
     with pytest.raises(ConfigError, match="distill.data.*Spec-Bench"):
-        section_from_dict({"data": "../shared/data/spec_bench/question.jsonl"})
+        section_from_dict({"data": "spec-bench"})
     with pytest.raises(ConfigError, match="distill: unknown field"):
         section_from_dict({"epochs": 3})
     with pytest.raises(ConfigError, match="distill.drafters"):

@@ -3,18 +3,19 @@ over the full vocabulary (zero elsewhere), chain still lossless; the mapping sur
 import pytest
 import torch
 
+from polybasic.config import SamplingConfig, TrainConfig
 from polybasic.drafters.data import DistillDataset, Sample
-from polybasic.drafters.head import DrafterConfig, EagleHead, frequent_tokens, load_head
-from polybasic.drafters.level import EagleLevel
-from polybasic.drafters.module import TrainConfig, fit
-from polybasic.drafters.train_smoke import tiny_base, tiny_samples
+from polybasic.drafters.module import fit
 from polybasic.errors import ConfigError
+from polybasic.models.eagle_head import DrafterConfig, EagleHead, frequent_tokens, load_head
 from polybasic.runtime.chain import Chain
+from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel
-from polybasic.runtime.sampling import SamplingConfig, make_generator
-from tests.helpers import lean_from_hf, tiny_hf_llama
+from polybasic.runtime.sampling import make_generator
 from tests.drafters.test_level import check_sampled_chain
+from tests.drafters.train_smoke import tiny_base, tiny_samples
+from tests.helpers import lean_from_hf, tiny_hf_llama
 
 
 def reduced_head(model, n, seed=0):

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from polybasic.drafters.diagnose import sequence_drafts, walk_draft_starts
-from polybasic.drafters.head import DrafterConfig, EagleHead, load_head, save_head
-from polybasic.drafters.level import EagleLevel
+from experiments.diagnose import sequence_drafts, walk_draft_starts
 from polybasic.errors import ConfigError
+from polybasic.models.eagle_head import DrafterConfig, EagleHead, load_head, save_head
 from polybasic.runtime.chain import Chain
+from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel
 from tests.helpers import lean_from_hf, tiny_hf_llama
@@ -120,10 +120,10 @@ def test_head_round_trips_with_its_layers(tmp_path):
 
 
 def test_distill_stage_caches_wide_features_and_remakes_them_for_other_layers(tmp_path, monkeypatch):
+    from polybasic.config import section_from_dict
     from polybasic.drafters.data import load_feature_shard
     from polybasic.models import load_model
     from polybasic.pipelines import distill
-    from polybasic.pipelines.distill import section_from_dict
     from tests.helpers import tiny_hf_folder
 
     seen = {}

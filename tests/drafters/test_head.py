@@ -3,7 +3,7 @@ its own weights; brief training improves it on held-out answers."""
 import pytest
 import torch
 
-from polybasic.drafters.head import DrafterConfig, EagleHead
+from polybasic.models.eagle_head import DrafterConfig, EagleHead
 from tests.helpers import lean_from_hf, tiny_hf_llama
 
 
@@ -49,9 +49,10 @@ def test_training_lowers_held_out_loss(tmp_path, ttt_steps):
     """Distillation generalises: on answers the head never saw, its KL divergence from the base
     falls below that of the same head before training, and its top-1 agreement rises (also with
     training-time test, which adds the later draft steps' agreement to the logs)."""
+    from polybasic.config import TrainConfig
     from polybasic.drafters.data import DistillDataset, collate
-    from polybasic.drafters.module import DistillModule, TrainConfig, fit
-    from polybasic.drafters.train_smoke import tiny_base, tiny_samples
+    from polybasic.drafters.module import DistillModule, fit
+    from tests.drafters.train_smoke import tiny_base, tiny_samples
 
     base = tiny_base()
     cfg = DrafterConfig.for_base(base.args)

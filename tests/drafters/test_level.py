@@ -3,14 +3,14 @@ the target's distribution (chi-square, same method and bound as tests/runtime/te
 import pytest
 import torch
 
-from polybasic.drafters.head import DrafterConfig, EagleHead
-from polybasic.drafters.level import EagleLevel
+from polybasic.config import SamplingConfig
+from polybasic.models.eagle_head import DrafterConfig, EagleHead
 from polybasic.runtime.chain import Chain
+from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel
-from polybasic.runtime.sampling import SamplingConfig
 from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf_llama
-from tests.runtime.test_chain_distribution import KW, N, P_MIN, PROMPT, V, exact_joint
+from tests.runtime.test_chain_distribution import KW, P_MIN, PROMPT, N, V, exact_joint
 from tests.stat_utils import chain_sample_counts, chi_square_pvalue
 
 

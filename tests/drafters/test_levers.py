@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from polybasic.config import TrainConfig, section_from_dict
 from polybasic.drafters.data import collate
-from polybasic.drafters.head import DrafterConfig, EagleHead, load_head, save_head
-from polybasic.drafters.module import DistillModule, TrainConfig, _step_losses
-from polybasic.drafters.train_smoke import tiny_base, tiny_samples
+from polybasic.drafters.module import DistillModule, _step_losses
 from polybasic.errors import ConfigError
-from polybasic.pipelines.distill import section_from_dict
+from polybasic.models.eagle_head import DrafterConfig, EagleHead, load_head, save_head
+from tests.drafters.train_smoke import tiny_base, tiny_samples
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,12 @@ import sys
 import pytest
 import torch
 
+from polybasic.config import TrainConfig
 from polybasic.drafters.data import DistillDataset
-from polybasic.drafters.head import DrafterConfig, load_head
-from polybasic.drafters.module import TrainConfig, deepspeed_config, fit, strategy_for
-from polybasic.drafters.train_smoke import tiny_base, tiny_samples
+from polybasic.drafters.module import deepspeed_config, fit, strategy_for
 from polybasic.errors import ConfigError
+from polybasic.models.eagle_head import DrafterConfig, load_head
+from tests.drafters.train_smoke import tiny_base, tiny_samples
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_checkpoint_refused_on_other_hidden_size(world, tmp_path):
 
 
 def test_ddp_two_cpu_processes(tmp_path):
-    cmd = [sys.executable, "-m", "polybasic.drafters.train_smoke", str(tmp_path), "--strategy", "ddp",
+    cmd = [sys.executable, "-m", "tests.drafters.train_smoke", str(tmp_path), "--strategy", "ddp",
            "--devices", "2", "--epochs", "4"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]

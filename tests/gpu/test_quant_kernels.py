@@ -3,7 +3,7 @@ dequantized weight, on SmolLM2-135M's linear shapes with random weights. Skipped
 import pytest
 import torch
 
-from polybasic.quant.config import QuantConfig
+from polybasic.config import QuantConfig
 from polybasic.quant.linear import Int4PackLinear, Int8MMLinear
 from tests.devices import GPU
 from tests.quant.test_linear import reference

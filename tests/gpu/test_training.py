@@ -1,4 +1,4 @@
-"""Drafter training on one GPU: the tiny smoke run (polybasic.drafters.train_smoke) under Lightning's
+"""Drafter training on one GPU: the tiny smoke run (tests.drafters.train_smoke) under Lightning's
 `ddp` (NCCL) and `deepspeed_stage_2` strategies. Skipped without CUDA (the CPU ddp test is
 tests/drafters/test_train.py)."""
 import json
@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
-from polybasic.drafters.head import load_head
-from polybasic.drafters.train_smoke import tiny_base
+from polybasic.models.eagle_head import load_head
 from tests.devices import GPU
+from tests.drafters.train_smoke import tiny_base
 
 pytestmark = GPU
 
 
 def smoke(out, strategy: str) -> dict:
-    cmd = [sys.executable, "-m", "polybasic.drafters.train_smoke", str(out), "--strategy", strategy,
+    cmd = [sys.executable, "-m", "tests.drafters.train_smoke", str(out), "--strategy", strategy,
            "--devices", "1", "--epochs", "4", "--accelerator", "gpu"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from polybasic.models import gguf_codes
-from polybasic.models.gguf_codes import BLOCK, KINDS as READ_KINDS, _parse, attach_codes, read_codes
+from polybasic.models.gguf_codes import BLOCK, _parse, attach_codes, read_codes
+from polybasic.models.gguf_codes import BLOCK_QUANT_TYPES as READ_KINDS
 from polybasic.models.prepare import compile_for_device
 from polybasic.runtime.generate import generate_tokens
 from tests.helpers import lean_from_hf, tiny_hf, tiny_hf_llama

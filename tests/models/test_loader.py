@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from polybasic.errors import ConfigError, ModelNotFoundError
-from polybasic.models import load_model, parse_dtype
-from polybasic.models import registry
+from polybasic.models import load_model, parse_dtype, registry
 from polybasic.models.loader import resolve_hf_folder
 from tests.helpers import tiny_hf_folder
 

@@ -70,7 +70,7 @@ def test_source_kinds(tmp_path, st):
 def test_loaders_name_the_damaged_file(tmp_path, st):
     """read_state_dict, quant_header / load_quantized and load_head turn the library's errors into
     CorruptFileError naming the file and the fix, even where no pre-check ran."""
-    from polybasic.drafters.head import load_head
+    from polybasic.models.eagle_head import load_head
     from polybasic.models.loader import read_state_dict
     from polybasic.quant.api import load_quantized, quant_header
 

@@ -1,16 +1,16 @@
 """The real default target (SmolLM2-135M-Instruct from its PyPI GGUF): our decoder vs transformers."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from polybasic.data.catalog import SPEC_BENCH, shipped_path
 from polybasic.models import load_hf_model, load_model
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.text import encode_prompt, eos_ids
 
 pytestmark = pytest.mark.model
-QUESTIONS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+QUESTIONS = shipped_path(SPEC_BENCH)
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import pytest
 import torch
 import yaml
 
+from polybasic.config import Recipe, from_dict, load_recipe
 from polybasic.errors import ConfigError
 from polybasic.pipelines.run import run_recipe
-from polybasic.pipelines.recipe import Recipe, from_dict, load_recipe
 from tests.helpers import tiny_hf_folder
 
 
@@ -49,7 +49,7 @@ def test_quantize_stage_writes_model_report_recipe_and_resumes(tmp_path, monkeyp
     from polybasic.quant import load_quantized
 
     args = load_model(str(tmp_path / "tiny")).args
-    from polybasic.models.llama import Transformer
+    from polybasic.models.decoder import Transformer
 
     qm = load_quantized(out / "model.safetensors", lambda: Transformer(args))
     assert len([n for n in qm.state_dict() if n.endswith("qweight")]) == 2 * 4
@@ -90,7 +90,7 @@ def test_quantized_lm_head_option(tmp_path):
                          calib={**r["quantize"]["calib"], "method": "rtn"})
     path.write_text(yaml.safe_dump(r))
     run_recipe(str(path), only=("quantize",))
-    from polybasic.models.llama import Transformer
+    from polybasic.models.decoder import Transformer
     from polybasic.models.loader import load_model
     from polybasic.quant import load_quantized
     from polybasic.quant.linear import QuantLinear
@@ -106,11 +106,11 @@ def test_siblings_are_quantized_alike_and_become_chain_levels(tmp_path):
     """quantize.siblings: a smaller model with the target's tokenizer is quantized with the same
     settings into siblings/<name>/, the profile names it `quantized:<name>`, and a chain through it
     stays greedy-exact. latency_reps 0 skips the latency table."""
+    from polybasic.models.loader import load_model
     from polybasic.pipelines.profile import own_level
     from polybasic.runtime.chain import Chain
+    from polybasic.runtime.chain_builder import parse_chain
     from polybasic.runtime.generate import generate_tokens
-    from polybasic.runtime.spec import parse_chain
-    from polybasic.models.loader import load_model
 
     path = _recipe(tmp_path)
     small = tmp_path / "small"

@@ -1,12 +1,14 @@
 """Data sources in recipes: `data: PATH` or a mapping, paths relative to the recipe's folder."""
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from polybasic.config import Recipe, dump_recipe, from_dict, load_recipe, shipped_recipes
 from polybasic.data import DEFAULT_DATA, DataSource
+from polybasic.data.catalog import shipped_path
 from polybasic.errors import ConfigError
-from polybasic.pipelines.recipe import Recipe, dump_recipe, from_dict, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +34,7 @@ def test_data_is_a_path_or_a_mapping():
     with pytest.raises(ConfigError, match=r"quantize\.data\.path: expected str"):
         from_dict(Recipe, {"quantize": {"data": 5}})
     with pytest.raises(ConfigError, match=r"distill\.data: .*Spec-Bench"):
-        from_dict(Recipe, {"distill": {"data": {"path": "../shared/data/spec_bench/question.jsonl"}}})
+        from_dict(Recipe, {"distill": {"data": {"path": "spec-bench"}}})
 
 
 def test_relative_data_paths_resolve_against_the_recipe_folder(tmp_path, monkeypatch):
@@ -57,20 +59,18 @@ def test_relative_data_paths_resolve_against_the_recipe_folder(tmp_path, monkeyp
     assert load_recipe(tmp_path / "out" / "recipe.yaml").quantize.data == r.quantize.data
 
 
-def test_defaults_find_the_bundled_data_from_any_folder(tmp_path, monkeypatch):
+def test_defaults_find_the_shipped_data_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = load_recipe(_write(tmp_path / "r.yaml", {"name": "x"}))
-    assert r.quantize.data.path == r.distill.data.path == DEFAULT_DATA
-    assert Path(DEFAULT_DATA).is_absolute()
-    assert DEFAULT_DATA == str((REPO / "../shared/data/alpaca_1000/alpaca_data_cleaned_1000.json").resolve())
+    assert r.quantize.data.path == r.distill.data.path == DEFAULT_DATA == "alpaca-1000"
+    path = r.distill.data.local_path()
+    assert path.is_file() and path == shipped_path("alpaca-1000") and path.is_relative_to(REPO / "polybasic")
+    assert len(json.loads(path.read_text())) == 1000
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
-def test_shipped_recipes_point_at_the_bundled_data(name, tmp_path, monkeypatch):
-    if not Path(DEFAULT_DATA).is_file():
-        pytest.skip("shared data not present")
+@pytest.mark.parametrize("name", sorted(shipped_recipes()))
+def test_shipped_recipes_name_the_shipped_data(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    r = load_recipe(REPO / "recipes" / name)
-    # the same file (shared/ may be reached through a symbolic link beside the checkout)
+    r = load_recipe(name)  # by name, from a folder that is not the checkout
     for data in (r.quantize.data, r.distill.data, r.profile.data):
-        assert Path(data.path).resolve() == Path(DEFAULT_DATA).resolve()
+        assert data.path == "alpaca-1000" and data.local_path() == shipped_path("alpaca-1000")

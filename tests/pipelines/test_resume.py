@@ -188,8 +188,8 @@ def test_quantize_killed_mid_calibration_and_mid_write_resumes_identically(tmp_p
 
 # ---- distill ------------------------------------------------------------------------------------
 def test_checkpoint_every_n_steps_is_validated():
+    from polybasic.config import section_from_dict
     from polybasic.errors import ConfigError
-    from polybasic.pipelines.distill import section_from_dict
 
     with pytest.raises(ConfigError, match=r"distill\.train: .*checkpoint_every_n_steps: must be an int >= 0"):
         section_from_dict({"train": {"checkpoint_every_n_steps": -1}})

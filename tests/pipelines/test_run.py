@@ -7,13 +7,13 @@ import sys
 
 import pytest
 import yaml
-
-from polybasic.cli import main
-from polybasic.runtime import bundle as B
-from tests.helpers import tiny_hf_folder
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from polybasic.cli import main
+from polybasic.planner.replan import reprofile
+from polybasic.runtime import bundle as B
+from tests.helpers import tiny_hf_folder
 from tests.pipelines.test_resume import assert_equal_tree, partials, run_killed
 
 
@@ -68,8 +68,8 @@ def test_run_ends_in_a_bundle_that_decodes_as_planned(tmp_path, capsys):
     from polybasic.models import load_model
     from polybasic.pipelines.profile import chain_spelling
     from polybasic.runtime.chain import Chain
+    from polybasic.runtime.chain_builder import parse_chain
     from polybasic.runtime.generate import generate_tokens
-    from polybasic.runtime.spec import parse_chain
 
     lm = load_model(str(tmp_path / "m"))
     planned = Chain(parse_chain(chain_spelling(best["chain"], out), lm), k=best["k"],
@@ -78,7 +78,8 @@ def test_run_ends_in_a_bundle_that_decodes_as_planned(tmp_path, capsys):
     want, _ = planned.generate(prompt, 16)
     assert list(B.load(out / "bundle").tokens(prompt, 16)) == want == list(generate_tokens(lm.model, prompt, 16))
     # re-measured and re-planned here among the bundle's own levels, still the target's greedy output
-    dec = B.load(out / "bundle", reprofile=True)
+    dec = B.load(out / "bundle")
+    reprofile(dec)
     assert dec.manifest.plan["reprofiled"] and dec.manifest.plan["levels"][0] == "target"
     assert set(dec.manifest.plan["levels"]) <= set(best["chain"]) and dec.predicted_speedup > 0
     assert list(dec.tokens(prompt, 16)) == want

@@ -3,12 +3,12 @@ runtime's own counters on scripted models whose acceptance is i.i.d. (the model'
 import pytest
 import torch
 
+from polybasic.config import SamplingConfig
 from polybasic.planner.cost import ChainConfig, chunk, predict, predict_lemma, round_tokens
 from polybasic.planner.profile import CostCurve, LevelProfile, PairProfile, Profile
+from polybasic.planner.theory import lemma_3_1, phi
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.levels import ModelLevel
-from polybasic.runtime.sampling import SamplingConfig
-from polybasic.planner.theory import lemma_3_1, phi
 from tests.helpers import ScriptedLM
 
 

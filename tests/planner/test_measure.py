@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from polybasic.drafters.head import DrafterConfig, EagleHead
-from polybasic.drafters.level import EagleLevel
+from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError
+from polybasic.models.eagle_head import DrafterConfig, EagleHead
 from polybasic.planner.cost import ChainConfig, predict
 from polybasic.planner.measure import build_profile, cost_curve, level_profile, medians_ms, pair_acceptance
 from polybasic.planner.profile import Profile
+from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import ModelLevel, NGramLevel
-from polybasic.runtime.sampling import SamplingConfig
 from tests.helpers import ScriptedLM, lean_from_hf, one_hot_logits, perturbed_copy, tiny_hf_llama
 
 V = 16

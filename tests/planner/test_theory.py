@@ -5,8 +5,16 @@ import math
 import pytest
 
 from polybasic.errors import ConfigError
-from polybasic.planner.theory import (Insertion, accepted_length_pmf, acceptance_rate, expected_accepted_length,
-                                      lemma_3_1, phi, theorem_3_2, two_vs_three_times)
+from polybasic.planner.theory import (
+    Insertion,
+    acceptance_rate,
+    accepted_length_pmf,
+    expected_accepted_length,
+    lemma_3_1,
+    phi,
+    theorem_3_2,
+    two_vs_three_times,
+)
 
 # The rebuttal's table: (T1 ms, E[L1]', T2' ms, E[L2]', T3 ms, E[L1] of the two-model system),
 # whether inserting the middle model paid (measured), and the rebuttal's right-hand side.

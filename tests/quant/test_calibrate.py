@@ -2,11 +2,22 @@
 import pytest
 import torch
 
+from polybasic.config import CalibrationConfig
 from polybasic.errors import ConfigError
 from polybasic.quant import calibrate as C
-from polybasic.quant.calibrate import (CalibrationConfig, CalibrationDiverged, affine_matrix, band_mask,
-                                       block_forward, block_weights, build_quantized_model, calibrate,
-                                       dominant, gradual_width, merge_transforms, rtn_block_mse)
+from polybasic.quant.calibrate import (
+    CalibrationDiverged,
+    affine_matrix,
+    band_mask,
+    block_forward,
+    block_weights,
+    build_quantized_model,
+    calibrate,
+    dominant,
+    gradual_width,
+    merge_transforms,
+    rtn_block_mse,
+)
 from tests.helpers import TINY_HF, lean_from_hf, tiny_hf, tiny_hf_llama
 
 

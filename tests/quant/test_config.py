@@ -1,8 +1,8 @@
 """QuantConfig validation and (de)serialisation."""
 import pytest
 
+from polybasic.config import QUANT_CONFIG_VERSION, QuantConfig
 from polybasic.errors import ConfigError
-from polybasic.quant.config import QUANT_CONFIG_VERSION, QuantConfig
 
 
 def test_round_trip_and_defaults():

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
+from polybasic.config import QuantConfig
 from polybasic.errors import ConfigError
-from polybasic.quant.config import QuantConfig
 from polybasic.quant.from_gguf import GGUFCodes, rtn_float_zero
 from polybasic.quant.linear import Int4PackLinear
 from polybasic.quant.primitives import dequantize_weight
@@ -84,13 +84,13 @@ def test_quantize_stage_with_gguf_codes_gives_a_lossless_chain_level(tiny_gguf, 
     """`quantize` with calib.method gguf on a GGUF source: int4pack copy with float zero points whose
     Q4_K rows are the file's, a report that says how many weights kept their codes, and a greedy
     chain through the copy equal to vanilla. A source without a GGUF file is refused by name."""
-    from polybasic.models.llama import Transformer
+    from polybasic.models.decoder import Transformer
     from polybasic.models.loader import load_model
     from polybasic.pipelines.run import run_recipe
     from polybasic.quant import load_quantized
     from polybasic.runtime.chain import Chain
+    from polybasic.runtime.chain_builder import parse_chain
     from polybasic.runtime.generate import generate_tokens
-    from polybasic.runtime.spec import parse_chain
 
     r = {"name": "tiny", "out_dir": str(tmp_path / "out"), "model": {"source": str(tiny_gguf)},
          "quantize": {"calib": {"method": "gguf", "w_bits": 4, "a_bits": 16, "group_size": 32,

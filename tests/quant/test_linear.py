@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polybasic.config import QuantConfig
 from polybasic.errors import ConfigError
-from polybasic.quant.config import QuantConfig
 from polybasic.quant.linear import DequantLinear, Int4PackLinear, Int8MMLinear, choose_kernel
 from polybasic.quant.primitives import fake_quantize_activation, quantize_weight
 

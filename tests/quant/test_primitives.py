@@ -3,9 +3,16 @@ import pytest
 import torch
 
 from polybasic.errors import ConfigError
-from polybasic.quant.primitives import (dequantize_weight, fake_quantize_activation,
-                                        fake_quantize_weight, pack_int4, quantize_activation,
-                                        quantize_weight, round_ste, unpack_int4)
+from polybasic.quant.primitives import (
+    dequantize_weight,
+    fake_quantize_activation,
+    fake_quantize_weight,
+    pack_int4,
+    quantize_activation,
+    quantize_weight,
+    round_ste,
+    unpack_int4,
+)
 
 
 def ref_quantize_rows(rows, bits, symmetric):

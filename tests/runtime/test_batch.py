@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from polybasic.config import SamplingConfig
 from polybasic.runtime.batch import generate_batch
 from polybasic.runtime.generate import generate_tokens
-from polybasic.runtime.sampling import SamplingConfig
 from tests.helpers import lean_from_hf, tiny_hf_llama
 
 PROMPTS = [[5, 9, 2], [7, 3, 3, 8, 11, 4, 6], [12], [40, 41, 42, 43, 44]]

@@ -8,16 +8,16 @@ import shutil
 import pytest
 import torch
 
-from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
 from polybasic.errors import PolybasicError
 from polybasic.models import load_model
+from polybasic.models.eagle_head import DrafterConfig, EagleHead, save_head
 from polybasic.quant import QuantConfig, quantize_, save_quantized
 from polybasic.runtime import bundle as B
 from polybasic.runtime.chain import Chain
+from polybasic.runtime.chain_builder import build_chain
 from polybasic.runtime.chainspec import parse_chain_spec
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.hub import push_bundle
-from polybasic.runtime.spec import build_chain
 from tests.helpers import tiny_hf_folder
 
 W4 = QuantConfig(w_bits=4, a_bits=16, group_size=32, kernel="int4pack")
@@ -156,7 +156,7 @@ def test_bad_bundles_are_refused_before_any_model_loads(parts, tmp_path, monkeyp
         raise AssertionError("a model was loaded before the bundle was checked")
 
     monkeypatch.setattr("polybasic.models.loader.load_model", no_load)
-    monkeypatch.setattr("polybasic.models.loader.load_quantized_model", no_load)
+    monkeypatch.setattr("polybasic.quant.api.load_quantized_model", no_load)
     with pytest.raises(PolybasicError, match=message) as e:
         B.load(folder)
     assert str(folder) in str(e.value)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import polybasic.runtime.chain as chain_mod
+from polybasic.config import SamplingConfig
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.levels import ModelLevel, NGramLevel
-from polybasic.runtime.sampling import SamplingConfig, probs_from_logits
+from polybasic.runtime.sampling import probs_from_logits
 from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf
 from tests.stat_utils import chain_sample_counts, chi_square_pvalue
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from polybasic.config import SamplingConfig
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel, NGramLevel
-from polybasic.runtime.sampling import SamplingConfig
 from tests.helpers import TINY_HF, lean_from_hf, perturbed_copy, tiny_hf
 
 # init_std 0.2 gives models with structure; perturbations chosen for partial acceptance

@@ -7,8 +7,14 @@ import pytest
 
 from polybasic._lazy import load_entry
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError
-from polybasic.runtime.chainspec import (KINDS, ChainSpec, LevelSpec, check_chain_files, parse_chain_spec,
-                                         parse_level_spec)
+from polybasic.runtime.chainspec import (
+    LEVEL_KINDS,
+    ChainSpec,
+    LevelSpec,
+    check_chain_files,
+    parse_chain_spec,
+    parse_level_spec,
+)
 from tests.damaged import write_weight_files
 
 
@@ -114,8 +120,8 @@ def test_check_files_errors_name_flag_item_and_problem(files, item, error, words
 
 
 def test_every_kind_has_a_builder():
-    assert set(KINDS) == {"eagle", "ngram", "quantized", "target", "model"}
-    for kind in KINDS.values():
+    assert set(LEVEL_KINDS) == {"eagle", "ngram", "quantized", "target", "model"}
+    for kind in LEVEL_KINDS.values():
         assert callable(load_entry(kind.builder)), kind.name
 
 

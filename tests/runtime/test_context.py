@@ -8,16 +8,16 @@ import torch
 
 from polybasic.bench.report import machine_info, markdown
 from polybasic.cli import main
+from polybasic.config import QuantConfig, SamplingConfig
 from polybasic.errors import ConfigError
-from polybasic.models.llama import Transformer
+from polybasic.models.decoder import Transformer
 from polybasic.models.prepare import check_compilable, prepare_for_device
-from polybasic.quant.config import QuantConfig
 from polybasic.quant.linear import Int4PackLinear, cuda_inner_k_tiles
 from polybasic.runtime.chain import Chain
+from polybasic.runtime.chain_builder import build_chain
 from polybasic.runtime.chainspec import parse_chain_spec
 from polybasic.runtime.context import ExecutionContext, check_device, parse_device, timed
-from polybasic.runtime.sampling import SamplingConfig, check_generator, make_generator
-from polybasic.runtime.spec import build_chain
+from polybasic.runtime.sampling import check_generator, make_generator
 from tests.helpers import lean_from_hf, tiny_hf_folder, tiny_hf_llama
 
 
@@ -82,7 +82,7 @@ def test_compiled_step_is_cpu_only():
 
 
 def test_recipe_device_is_parsed_then_checked_when_it_runs(tmp_path, no_cuda):
-    from polybasic.pipelines.recipe import ModelSection
+    from polybasic.config import ModelSection
     from polybasic.pipelines.run import run_recipe
 
     assert ModelSection(device="cuda").device == "cuda"  # read anywhere (a GPU-cluster recipe)

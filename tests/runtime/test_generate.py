@@ -2,9 +2,10 @@
 import pytest
 import torch
 
+from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError
 from polybasic.runtime.generate import GenerationStats, generate_tokens
-from polybasic.runtime.sampling import SamplingConfig, make_generator, probs_from_logits
+from polybasic.runtime.sampling import make_generator, probs_from_logits
 from polybasic.runtime.text import encode_prompt, stream_text
 from tests.helpers import lean_from_hf, tiny_hf_llama, word_tokenizer
 

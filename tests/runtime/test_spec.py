@@ -7,9 +7,9 @@ from polybasic.errors import ConfigError
 from polybasic.models import load_model
 from polybasic.quant import QuantConfig, quantize_, save_quantized
 from polybasic.runtime.chain import Chain
+from polybasic.runtime.chain_builder import parse_chain
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel, NGramLevel
-from polybasic.runtime.spec import parse_chain
 from tests.helpers import tiny_hf_folder
 
 
@@ -44,8 +44,8 @@ def test_eagle_head_level(target, tmp_path):
     """`eagle:PATH` drafts on the features of the model level right above it; greedy stays exact."""
     import torch
 
-    from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
-    from polybasic.drafters.level import EagleLevel
+    from polybasic.models.eagle_head import DrafterConfig, EagleHead, save_head
+    from polybasic.runtime.eagle_level import EagleLevel
 
     torch.manual_seed(0)
     save_head(tmp_path / "h.safetensors", EagleHead(DrafterConfig.for_base(target.args)).init_from_base(target.model))
@@ -73,14 +73,14 @@ def test_level_cache_shares_levels_between_chains(target, tmp_path):
     every chain stays greedy-exact after the other ran."""
     import torch
 
-    from polybasic.drafters.head import DrafterConfig, EagleHead, save_head
+    from polybasic.models.eagle_head import DrafterConfig, EagleHead, save_head
 
     torch.manual_seed(0)
     head = tmp_path / "h.safetensors"
     save_head(head, EagleHead(DrafterConfig.for_base(target.args)).init_from_base(target.model))
     cache: dict = {}
     a = parse_chain(f"target@bfloat16+eagle:{head}", target, cache=cache)
-    b = parse_chain(f"target@bfloat16+ngram:2", target, cache=cache)
+    b = parse_chain("target@bfloat16+ngram:2", target, cache=cache)
     c = parse_chain(f"eagle:{head}", target, cache=cache)
     d = parse_chain(f"target@bfloat16+eagle:{head}", target, cache=cache)
     assert a[0] is b[0] is c[0] and a[1] is b[1] and a[2] is d[2]

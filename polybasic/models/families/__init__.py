@@ -11,21 +11,14 @@ what it shares) plus one entry in `FAMILIES` below, keyed by the config's `model
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
-from torch import Tensor, nn
+from torch import nn
 
 from polybasic.errors import ConfigError
+from polybasic.models.args import ModelArgs
+from polybasic.models.families import llama, qwen2
+from polybasic.models.families.family import Family
 
-
-@dataclass(frozen=True)
-class Family:
-    model_type: str  # transformers config.model_type
-    gguf_arch: str  # GGUF general.architecture
-    args_from_config: Callable[[Any], Any]  # transformers config -> ModelArgs (ConfigError if unsupported)
-    hf_to_lean: Callable[[dict[str, Tensor], Any], dict[str, Tensor]]  # (HF state dict, args) -> lean names
-    block: Callable[[Any], nn.Module]  # ModelArgs -> one decoder block (models.llama.Block interface)
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY)}
 
 
 def family_for(model_type: str) -> Family:
@@ -41,8 +34,9 @@ def block_for(args) -> nn.Module:
     return family_for(args.family).block(args)
 
 
-from polybasic.models.families import llama, qwen2  # noqa: E402  (the modules use Family)
+def args_from_hf_config(cfg) -> ModelArgs:
+    """ModelArgs from a transformers config, through its family (ConfigError for other model types)."""
+    return family_for(getattr(cfg, "model_type", "llama")).args_from_config(cfg)
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY)}
 
-__all__ = ["Family", "FAMILIES", "family_for", "block_for"]
+__all__ = ["Family", "FAMILIES", "family_for", "block_for", "args_from_hf_config"]

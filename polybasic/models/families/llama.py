@@ -6,8 +6,8 @@ from torch import Tensor
 
 from polybasic.errors import ConfigError
 from polybasic.models.args import ModelArgs
-from polybasic.models.families import Family
-from polybasic.models.llama import Block
+from polybasic.models.blocks import Block
+from polybasic.models.families.family import Family
 
 
 def rope_theta(cfg) -> float:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from polybasic.errors import ConfigError
 from polybasic.models.args import ModelArgs
-from polybasic.models.families import Family
+from polybasic.models.blocks import Block
+from polybasic.models.families.family import Family
 from polybasic.models.families.llama import common_args, hf_to_lean
-from polybasic.models.llama import Block
 
 
 def args_from_config(cfg) -> ModelArgs:

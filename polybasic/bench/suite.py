@@ -1,0 +1,164 @@
+"""The Spec-Bench benchmark run from its options (`polybasic bench`, the recipes' bench stage): every
+check that needs no model first, then the target (or a bundle), every method interleaved on the
+same prompts, the JSON document, the report and its plot."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from polybasic.bench import BUNDLE_METHODS, DEFAULT_METHODS
+from polybasic.bench.methods import BenchContext, make_runner, parse_methods
+from polybasic.bench.questions import load_questions, select
+from polybasic.bench.report import machine_info, peak_rss_mib, text_table, write_outputs
+from polybasic.bench.runner import fastest_vanilla, run_all, summarize
+from polybasic.config import DEFAULT_MODEL, SamplingConfig
+from polybasic.errors import ConfigError
+from polybasic.models import load_hf_model
+from polybasic.models.preflight import check_source
+from polybasic.models.prepare import check_compilable
+from polybasic.planner.replan import reprofile
+from polybasic.quant.api import load_any_model
+from polybasic.runtime.bundle import check_bundle, load
+from polybasic.runtime.chainspec import check_chain_files, parse_chain_spec
+from polybasic.runtime.context import check_device
+from polybasic.runtime.hub import resolve_bundle
+from polybasic.runtime.text import encode_prompt, eos_ids
+
+
+def _command_line(a: argparse.Namespace) -> str:
+    if "bench" in sys.argv[1:]:
+        return shlex.join(["polybasic", *sys.argv[1:]])
+    opts = {k: v for k, v in vars(a).items() if k not in ("func", "command", "verbose") and v not in
+            (None, False)}  # called programmatically: rebuild from the parsed options
+    flags = {"json_out": "--json"}
+    parts = ["polybasic", "bench"]
+    for k, v in opts.items():
+        parts += [flags.get(k, "--" + k.replace("_", "-"))] + ([] if v is True else [str(v)])
+    return shlex.join(parts)
+
+
+def _check_chains(methods: str) -> None:
+    """The chain:SPEC methods' specs and files, checked before torch is imported."""
+
+    for name in methods.split(","):
+        base, colon, arg = name.strip().partition(":")
+        if base == "chain" and arg:
+            flag = f"--methods chain:{arg}"
+            check_chain_files(parse_chain_spec(arg, flag), flag)
+
+
+def validate(a: argparse.Namespace):
+    """Every check that needs no model, so bad input fails before anything heavy loads."""
+    bundle = _check_bundle(a)
+    a.methods = a.methods or (BUNDLE_METHODS if bundle else DEFAULT_METHODS)
+    _check_chains(a.methods)
+
+
+    device = check_device(a.device, "--device")
+    methods = parse_methods(a.methods)
+    if "chain" in methods and bundle is None:
+        raise ConfigError("methods: 'chain' without a spec runs a bundle's chain; pass --bundle, or spell the "
+                          "chain as chain:SPEC")
+    sampling = SamplingConfig(a.temperature, a.top_k, a.top_p)
+    for field, value, low in (("max_new_tokens", a.max_new_tokens, 1), ("warmup", a.warmup, 0),
+                              ("draft_tokens", a.draft_tokens, 1), ("threads", a.threads, 1)):
+        if value is not None and value < low:
+            raise ConfigError(f"{field}: must be >= {low}, got {value}; pass --{field.replace('_', '-')} "
+                              f"{low} or more")
+    compiled = [m for m in methods if m.startswith("vanilla-compiled")]
+    if compiled:
+        check_compilable(device, f"--methods {compiled[0]}")
+    if compiled and a.warmup < 1:
+        raise ConfigError(f"warmup: {compiled[0]} compiles on its first prompt, which must not be timed; "
+                          "pass --warmup 1 or more")
+    if a.json_out and Path(a.json_out).is_dir():
+        raise ConfigError(f"json: {a.json_out} is a folder; pass a file path such as {a.json_out}/bench.json")
+    if a.report and Path(a.report).exists() and not Path(a.report).is_dir():
+        raise ConfigError(f"report: {a.report} is a file; pass a folder path")
+    cats = [c.strip() for c in a.categories.split(",") if c.strip()] if a.categories else None
+    questions = select(load_questions(a.questions), a.per_category, cats)
+    if check_source(a.model, "--model") == "quantized":
+        again = [m for m in methods if m.startswith("vanilla") and ":" in m]
+        if again:
+            raise ConfigError(f"methods: '{again[0]}' loads the target again in another dtype, but a quantized "
+                              "copy runs in the dtype it was saved with; drop it")
+    return methods, sampling, questions
+
+
+def _check_bundle(a: argparse.Namespace):
+    """The --bundle's manifest, checked with every file it names (no model loads); sets --model and
+    --dtype to its target's."""
+    if a.bundle is None:
+        if a.reprofile:
+            raise ConfigError("--reprofile: re-plans a bundle's chain; pass --bundle")
+        a.model = a.model or DEFAULT_MODEL
+        return None
+    if a.model is not None:
+        raise ConfigError("--bundle: the bundle names its target; drop --model")
+
+    m = check_bundle(resolve_bundle(a.bundle))
+    a.model, a.dtype = m.target["source"], m.target.get("dtype", "float32")
+    return m
+
+
+def run_bench_command(a: argparse.Namespace) -> int:
+    methods, sampling, questions = validate(a)
+
+
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    bundle = None
+    if a.bundle:
+
+        bundle = load(a.bundle, a.device, verify_target=False)  # checked by _validate
+        if a.reprofile:
+
+            reprofile(bundle)
+        lm = bundle.target
+    else:
+        lm = load_any_model(a.model, a.dtype, a.device)
+    run_bench(a, methods, sampling, questions, lm, bundle)
+    return 0
+
+
+def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm, bundle=None) -> dict:
+    """Benchmark `methods` on the loaded target `lm` (and a loaded bundle); writes --json / --report,
+    prints the table; returns the document."""
+
+    prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
+    ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
+                       a.draft_tokens, source=a.model, dtype=a.dtype, adaptive_k=a.adaptive_k,
+                       max_prompt_tokens=max(len(p) for *_, p in prompts), gguf=lm.gguf_file,
+                       hf_loader=lambda: load_hf_model(a.model, a.dtype, lm.model.device), bundle=bundle)
+    runners = {m: make_runner(m, ctx) for m in methods}
+    records = run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress)
+    predicted = {"chain": bundle.predicted_speedup} if bundle else {}
+    machine = machine_info(a.dtype, _command_line(a), lm.model.device)  # names the GPU on CUDA
+    machine["peak_rss_mib"] = peak_rss_mib()  # the whole process, every method's models loaded
+    doc = build_document(records, sampling.greedy, machine, predicted, {
+        "model": a.model, "bundle": a.bundle, "questions": a.questions or "spec-bench", "prompts": len(prompts),
+        "categories": list(dict.fromkeys(q.category for q in questions)),
+        "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,
+        "top_p": a.top_p, "draft_tokens": a.draft_tokens, "adaptive_k": a.adaptive_k, "seed": a.seed,
+        "warmup": a.warmup})
+    write_outputs(doc, a.json_out, a.report)
+    print(text_table(doc))
+    for label, path in (("json", a.json_out), ("report", a.report and Path(a.report) / "report.md")):
+        if path:
+            print(f"[{label}: {path}]", file=sys.stderr)
+    return doc
+
+
+def build_document(records, greedy: bool, machine: dict, predicted: dict, config: dict) -> dict:
+    """The --json document: machine, methods (the contract's schema), plus config and per-prompt rows.
+    predicted: {method: the plan's predicted speedup} (a bundle's chain)."""
+
+    rows = [{k: v for k, v in r.__dict__.items() if k != "tokens"} for r in records]
+    methods = summarize(records, greedy, predicted)
+    return {"machine": machine, "methods": methods, "fastest_vanilla": fastest_vanilla(methods),
+            "config": config, "records": rows}

@@ -1,0 +1,59 @@
+"""`polybasic bench`: the Spec-Bench speed benchmark's flags (the benchmark itself: polybasic.bench.suite)."""
+from __future__ import annotations
+
+import argparse
+
+from polybasic.bench import BUNDLE_METHODS, DEFAULT_METHODS, METHOD_NAMES
+from polybasic.config import DEFAULT_MODEL
+from polybasic.runtime.chainspec import CHAIN_HELP
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="Spec-Bench speed benchmark (tokens/s, speedup, tau)",
+                       description=f"Spec-Bench speed benchmark of decoding methods on one target.\nMethods: {', '.join(METHOD_NAMES)}; vanilla:DTYPE runs our "
+                                   f"decoder on the target loaded again in DTYPE; hf-assisted:SOURCE[@DTYPE] runs "
+                                   f"transformers assisted generation with that assistant (same tokenizer as the "
+                                   f"target; DTYPE defaults to --dtype); chain:SPEC runs a chain spelled as for "
+                                   f"`generate --chain`; chain alone runs the --bundle's chain.\n\n{CHAIN_HELP}")
+    p.add_argument("--bundle", default=None, metavar="PATH|HUB_ID",
+                   help="a chain bundle: its target is the model, and method `chain` (no spec) runs its chain "
+                        "with its k and thresholds, printing the planned (predicted) speedup beside the "
+                        "measured one (default methods then: vanilla,chain)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="with --bundle: re-measure its levels' costs here and re-plan before benchmarking "
+                        "(the predicted speedup is then this machine's)")
+    p.add_argument("--model", default=None,
+                   help="the target: short name, .gguf file, Hugging Face folder, Hub id or a quantized "
+                        f".safetensors copy (default: {DEFAULT_MODEL}, or the --bundle's target)")
+    p.add_argument("--questions", default="spec-bench",
+                   help="JSON-lines questions {question_id, category, turns}; a missing or empty "
+                        "category counts as one category (spec-bench: the shipped Spec-Bench questions)")
+    p.add_argument("--per-category", type=int, default=None,
+                   help="first N questions of each category (default: all)")
+    p.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated methods (see above); vanilla always runs as the reference "
+                        f"(default: {DEFAULT_METHODS}; with --bundle: {BUNDLE_METHODS})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--dtype", default="float32", help="dtype of the target's weights")
+    p.add_argument("--device", default="cpu",
+                   help="where every method runs: cpu, cuda or cuda:N (the report then names the GPU)")
+    p.add_argument("--draft-tokens", type=int, default=8, help="k of the n-gram / prompt-lookup drafts")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="our chains adapt the bottom level's draft length (1..k) to its acceptance")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed prompts per method before timing")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results JSON")
+    p.add_argument("--report", default=None, metavar="DIR", help="write report.md and bench.json")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    from polybasic.bench.suite import run_bench_command  # start-up time: torch only when it runs
+
+    return run_bench_command(a)

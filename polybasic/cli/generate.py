@@ -1,0 +1,179 @@
+"""`polybasic generate`: text from a prompt, plainly, through a chain, or through a chain bundle.
+
+The parser and every check of the input (prompt, --model, --chain files by their headers, --bundle's
+manifest) import no torch; the command imports the runtime when it runs (start-up time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from polybasic.config import DEFAULT_MODEL
+from polybasic.errors import ConfigError, DataNotFoundError
+from polybasic.models.preflight import check_source
+from polybasic.runtime.chainspec import CHAIN_HELP, check_chain_files, parse_chain_spec
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text (streams to stdout)",
+                       description="Generate text from a prompt, plainly or through a chain of levels.\n\n"
+                                   + CHAIN_HELP)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the target: short name, .gguf file, Hugging Face folder, Hub id or a quantized "
+                        ".safetensors copy")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text; '-' reads it from stdin (for long prompts)")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
+    p.add_argument("--bundle", default=None, metavar="PATH|HUB_ID",
+                   help="decode with a chain bundle (`polybasic export` / `polybasic run`): its target, chain, "
+                        "k, thresholds and sampling defaults; a folder or a Hub id (through the HF cache)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="with --bundle: re-measure its levels' costs on this machine and re-plan k, thresholds "
+                        "and levels (its pair acceptances are kept); by default the bundle's plan runs as is")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0, or the bundle's)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k likeliest tokens, 0 = off (default: 0, or the bundle's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass, 1.0 = off (default: 1.0, or the bundle's)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    p.add_argument("--dtype", default="float32", help="dtype of the target's weights")
+    add_device_flag(p)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--chain", default=None, metavar="SPEC",
+                   help="decode through a chain: the levels below the target, '+'-separated (forms above)")
+    p.add_argument("--k", type=int, default=5, help="tokens the bottom level proposes per round")
+    p.add_argument("--adaptive-k", action="store_true", help="adapt the bottom draft length (1..k)")
+    p.add_argument("--thresholds", default=None,
+                   help="comma-separated hand-up threshold per middle level (default: k+1 each)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the one-token step (costs tens of seconds once, then cached)")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.set_defaults(func=_cmd_generate)
+
+
+def add_device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu",
+                   help="where every level runs and samples: cpu, cuda or cuda:N (checked before anything loads)")
+
+
+def read_prompt(a: argparse.Namespace) -> str:
+    """The prompt from --prompt TEXT, --prompt - (stdin) or --prompt-file PATH."""
+    if a.prompt_file is not None:
+        path = Path(a.prompt_file).expanduser()
+        if not path.is_file():
+            raise DataNotFoundError(f"--prompt-file: {path} does not exist; pass a UTF-8 text file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompt-file: {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                              "save it as UTF-8") from None
+        where = f"--prompt-file: {path}"
+    elif a.prompt == "-":
+        text, where = sys.stdin.read(), "--prompt -: stdin"
+    else:
+        return a.prompt
+    if not text.strip():
+        raise ConfigError(f"{where} is empty; pass a prompt")
+    return text
+
+
+def _precheck_generate(a: argparse.Namespace):
+    """Every check that needs no torch and no model: prompt, --model, --chain (files by headers)."""
+    prompt = read_prompt(a)
+    if a.reprofile and not a.bundle:
+        raise ConfigError("--reprofile: re-plans a bundle's chain; pass --bundle")
+    if a.bundle:
+        if a.chain or a.model != DEFAULT_MODEL:
+            raise ConfigError("--bundle: the bundle names its target and chain; drop --model and --chain")
+        from polybasic.runtime.bundle import check_bundle
+        from polybasic.runtime.hub import resolve_bundle
+
+        return prompt, check_bundle(resolve_bundle(a.bundle)), None
+    check_source(a.model, "--model")
+    spec = check_chain_files(parse_chain_spec(a.chain, "--chain"), "--chain") if a.chain else None
+    return prompt, spec, _int_list(a.thresholds, "--thresholds")
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    prompt, spec, thresholds = _precheck_generate(a)
+    # the runtime, imported when the command runs (start-up time: `--help` and argument errors stay free of torch)
+    from polybasic.config import SamplingConfig
+    from polybasic.models.prepare import check_compilable, compile_for_device
+    from polybasic.quant.api import load_any_model
+    from polybasic.runtime.chain import Chain, check_k
+    from polybasic.runtime.chain_builder import build_chain
+    from polybasic.runtime.context import ExecutionContext
+    from polybasic.runtime.generate import GenerationStats, check_request, generate_tokens
+    from polybasic.runtime.text import encode_prompt, eos_ids, stream_text
+
+    check_request([0], a.max_new_tokens, 2)
+    check_k(a.k)
+    ctx = ExecutionContext(a.device, a.dtype, a.seed)
+    if a.compile:
+        check_compilable(ctx.device)
+    if a.bundle:
+        from polybasic.runtime.bundle import load
+
+        dec = load(a.bundle, ctx.device)
+        if a.reprofile:
+            from polybasic.planner.replan import reprofile
+
+            reprofile(dec)
+            print(f"[re-planned here: {dec.manifest.plan['chain']}, k={dec.manifest.decoding.k}, predicted "
+                  f"{dec.predicted_speedup:.2f}x]", file=sys.stderr)
+        lm, chain, sampling = dec.target, dec.chain, dec.sampling(temperature=a.temperature, top_k=a.top_k,
+                                                                  top_p=a.top_p)
+    else:
+        sampling = SamplingConfig(_or(a.temperature, 0.0), _or(a.top_k, 0), _or(a.top_p, 1.0))
+        lm = load_any_model(a.model, ctx.dtype, ctx.device)
+        chain = None if spec is None else Chain(build_chain(spec, lm, ctx.device, "--chain"), k=a.k,
+                                                thresholds=thresholds,
+                                                eos=eos_ids(lm.tokenizer), adaptive_k=a.adaptive_k)
+    ids = encode_prompt(lm.tokenizer, prompt, chat=not a.no_chat)
+    check_request(ids, a.max_new_tokens, lm.args.max_seq_len)  # an over-long prompt: a clear error
+    if a.compile:
+        coded = compile_for_device(lm.model, lm.gguf_file)
+        print(f"[compiling the one-token step ({coded} linears read GGUF block codes); the first token "
+              "waits ~90 s on a 2-core CPU the first time, ~20 s once inductor has cached it]", file=sys.stderr)
+    generator = ctx.generator()
+    if chain is not None:
+        token_iter = chain.stream(ids, a.max_new_tokens, sampling, generator)
+        get_stats = lambda: chain.stats  # noqa: E731
+    else:
+        stats = GenerationStats()
+        token_iter = generate_tokens(lm.model, ids, a.max_new_tokens, sampling, eos_ids(lm.tokenizer),
+                                     generator, stats)
+        get_stats = lambda: stats  # noqa: E731
+
+    pieces = []
+    for piece in stream_text(lm.tokenizer, token_iter):
+        pieces.append(piece)
+        if not a.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    stats = get_stats()
+    if a.json:
+        print(json.dumps({"text": "".join(pieces), "new_tokens": stats.new_tokens,
+                          "tokens_per_s": stats.tokens_per_s, "stats": stats.to_dict()}))
+    else:
+        sys.stdout.write("\n")
+        extra = f", tau {stats.tau:.2f}" if chain is not None else ""
+        print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{extra}, stop: {stats.stop_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag}: '{text}' is not a comma-separated list of integers, e.g. 8,6") from None

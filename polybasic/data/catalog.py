@@ -1,0 +1,24 @@
+"""The data sets polybasic ships as package data, by short name (`data: alpaca-1000`, questions
+`spec-bench`), so recipes and defaults work after `pip install` with no checkout beside them.
+
+| name        | file                                        | license                            |
+|-------------|---------------------------------------------|------------------------------------|
+| alpaca-1000 | files/alpaca_1000/alpaca_data_cleaned_1000.json | CC BY-NC 4.0 (NOTICE.md beside it) |
+| spec-bench  | files/spec_bench/question.jsonl             | Apache-2.0 (LICENSE beside it)     |
+"""
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+SHIPPED = {
+    "alpaca-1000": "alpaca_1000/alpaca_data_cleaned_1000.json",  # drafter prompts, calibration, profiling
+    "spec-bench": "spec_bench/question.jsonl",  # the speed benchmark: never train on it
+}
+ALPACA = "alpaca-1000"
+SPEC_BENCH = "spec-bench"
+
+
+def shipped_path(name: str) -> Path:
+    """The file of the shipped data set `name` (a key of SHIPPED)."""
+    return Path(str(files("polybasic.data") / "files" / SHIPPED[name]))

@@ -1,0 +1,198 @@
+"""The lean decoder for every family (gpt-fast style): embeddings, the family's blocks
+(models.blocks, picked by models.families), final norm and LM head, over a preallocated,
+rollback-able KV cache.
+
+The model is stateless about *where* the sequence ends: every call names the absolute position of
+its first token (`start`). Rolling back to an accepted length L is therefore free: the next call
+uses start=L, overwrites the stale cache rows and never attends past start+M.
+
+Shapes: B batch, M tokens in this call, S cache length, H heads, G kv heads, D head dim, E model dim.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from polybasic.errors import ConfigError
+from polybasic.models.args import ModelArgs
+from polybasic.models.blocks import KVCache, RMSNorm, rope_tables
+from polybasic.models.families import block_for, family_for
+from polybasic.models.gguf_codes import attach_codes, project
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. Call `setup_caches` once before `forward`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(block_for(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        self.max_seq_len = 0
+        self._compiled_step = None  # see compile_decode
+        self.feature_layers: tuple[int, ...] = ()  # see use_feature_layers
+
+    def tie_weights(self) -> None:
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
+        """Allocate KV caches and RoPE tables for sequences of up to max_seq_len tokens."""
+        if max_seq_len > self.args.max_seq_len:
+            raise ConfigError(f"max_seq_len: {max_seq_len} exceeds the model's context window of "
+                              f"{self.args.max_seq_len} tokens; shorten the prompt or max_new_tokens")
+        if max_seq_len <= self.max_seq_len and self.layers[0].attention.kv_cache.k.shape[0] == batch:
+            return
+        if self._compiled_step is not None:  # dynamo specialises on buffer sizes: few sizes, few compiles
+            max_seq_len = min(self.args.max_seq_len, max(256, 1 << (max_seq_len - 1).bit_length()))
+        dev, dt = self.device, self.dtype
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(batch, self.args.n_kv_heads, max_seq_len,
+                                               self.args.head_dim, dt, dev)
+        cos, sin = rope_tables(self.args, max_seq_len, dev)  # [S, D]
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # sign-folded, see apply_rope
+        self.register_buffer("rope_cos", cos.to(dt).unsqueeze(1), persistent=False)  # [S, 1, D]
+        self.register_buffer("rope_sin", sin.to(dt).unsqueeze(1), persistent=False)  # [S, 1, D]
+        causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=dev).tril()
+        self.register_buffer("causal_mask", causal, persistent=False)
+        self.max_seq_len = max_seq_len
+
+    def use_feature_layers(self, layers) -> None:
+        """From now on `forward` also returns the outputs of these decoder layers (0-based, each below
+        the last), in front of the last layer's hidden state: features [..., (len(layers)+1) * E], what a
+        drafter head reading several layers (EAGLE-3) needs. () restores the last layer alone."""
+        n = self.args.n_layers
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < n - 1 for i in layers):
+            raise ConfigError(f"feature_layers: {list(layers)} must be distinct increasing layer indices in "
+                              f"[0, {n - 2}] for this {n}-layer model (the last layer, {n - 1}, is always read); "
+                              "fix distill.feature_layers")
+        self.feature_layers = tuple(layers)
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Shrink the KV caches to the batch rows `rows` [B'] (the next calls pass B' sequences)."""
+        for layer in self.layers:
+            layer.attention.kv_cache.keep(rows)
+
+    def compile_decode(self, gguf: str | Path | None = None, options: dict | None = None) -> int:
+        """Run one-token steps (M=1, no key mask) through `torch.compile` from now on.
+
+        The step is compiled with a symbolic `start` (dynamic=True) on its first call: tens of seconds
+        on a CPU, then cached by inductor on disk. Dynamo specialises on the cache length, so from now
+        on `setup_caches` rounds it up to a power of two (>= 256): a new size costs one more compile,
+        which a server avoids by sizing the caches for its longest request up front (polybasic bench
+        does). Prefills and k-token verifications stay eager. Logits agree with the eager step to
+        float rounding (fused kernels sum in another order), not bit for bit.
+
+        gguf: the GGUF file the fp32 weights were expanded from. Its block codes are attached to the
+        CPU fp32 linears they reproduce exactly (see gguf_codes), and compiled steps read those, 1 byte
+        per weight instead of 4 (+~1.2 bytes per weight of memory). Returns how many linears read codes.
+        options: inductor options (models.prepare.compile_for_device passes the device's).
+        """
+        coded = attach_codes(self, gguf) if gguf is not None else 0
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(self._forward, dynamic=True, options=options)
+        return coded
+
+    def forward(self, tokens: Tensor, start: int, last_only: bool = False,
+                key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """tokens [B, M] at positions start..start+M-1.
+
+        key_mask [B, S'] (S' >= start+M, bool): cache rows each sequence may attend to, for
+        left-padded batches (False on the padding). RoPE is relative, so a row padded by n slots
+        scores exactly as if it started at slot 0.
+
+        Returns logits [B, M, V] (or [B, 1, V] with last_only) and the last layer's hidden states
+        before the final norm, [B, M, E] (the features EAGLE-style drafters read); with
+        `use_feature_layers`, the outputs of those layers in front of it, [B, M, (n+1) * E].
+        """
+        m = tokens.shape[1]
+        end = start + m
+        if end > self.max_seq_len:
+            raise ConfigError(f"sequence length: {end} tokens exceed the cache of {self.max_seq_len}; "
+                              "call setup_caches with a larger max_seq_len")
+        if self._compiled_step is not None and m == 1 and key_mask is None:
+            return self._compiled_step(tokens, start, last_only)
+        return self._forward(tokens, start, last_only, key_mask)
+
+    def _forward(self, tokens: Tensor, start: int, last_only: bool = False,
+                 key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        m = tokens.shape[1]
+        end = start + m
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # [M, 1, D]
+        mask = None if m == 1 or start == 0 else self.causal_mask[start:end, :end]  # [M, start+M]
+        if key_mask is not None:
+            keys = key_mask[:, None, None, :end]  # [B, 1, 1, start+M]
+            mask = keys & self.causal_mask[start:end, :end] if m > 1 else keys  # [B, 1, M, start+M]
+        x = self.tok_embeddings(tokens)  # [B, M, E]
+        taken = []  # outputs of self.feature_layers, each [B, M, E]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, start)
+            if i in self.feature_layers:
+                taken.append(x)
+        hidden = torch.cat(taken + [x], dim=-1) if taken else x  # [B, M, (n+1) E]
+        if last_only:
+            x = x[:, -1:]
+        return project(self.output, self.norm(x)), hidden
+
+
+def hf_to_lean_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+    """Map a transformers state dict onto ours, through args.family's mapping."""
+    return family_for(args.family).hf_to_lean(sd, args)
+
+
+def build_model(args: ModelArgs, state_dict: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+                device: str | torch.device | None = None) -> Transformer:
+    """Build on the meta device, then assign the weights (no double allocation) on `device` (default:
+    where the state dict's tensors are)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    if args.tie_embeddings:
+        sd.pop("output.weight", None)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not (args.tie_embeddings and k == "output.weight")]
+    if missing or unexpected:
+        raise ConfigError(f"state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+                          "the weights do not match the model args")
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def use_decode_layout(model: nn.Module) -> nn.Module:
+    """Give every nn.Linear weight [out, in] the faster memory layout for its dtype and device.
+
+    fp32 on CPU: a transposed view of a contiguous [in, out] buffer, so F.linear runs the
+    "x @ W^T-contiguous" GEMM (measured, all of SmolLM2-135M's matmuls at M=1: 16.7 vs 19.2 ms; no
+    slower for prefills of 200-1300 tokens). Anything else (e.g. bf16, slower transposed at every M,
+    or a bf16 copy made from a transposed fp32 model): plain contiguous [out, in].
+    Values and shapes are unchanged. A tied embedding shares the new buffer (in the transposed
+    layout a strided row gather: ~12 ms for a 1300-token prefill).
+    """
+    new: dict[int, nn.Parameter] = {}  # id(old weight) -> its replacement, so ties survive
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(mod, nn.Linear) or id(w) in new:
+            continue
+        transposed = w.device.type == "cpu" and w.dtype == torch.float32
+        if transposed and w.is_contiguous():
+            new[id(w)] = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
+        elif not transposed and not w.is_contiguous():
+            new[id(w)] = nn.Parameter(w.detach().contiguous(), requires_grad=False)
+    for mod in model.modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)) and id(getattr(mod, "weight", None)) in new:
+            mod.weight = new[id(mod.weight)]
+    return model
