@@ -8,4 +8,4 @@ DEFAULT_METHODS = "vanilla,hf,hf-pld,pld"
 BUNDLE_METHODS = "vanilla,chain"  # with --bundle
 METHOD_NAMES = ("vanilla", "vanilla:DTYPE", "vanilla-compiled", "vanilla-compiled:DTYPE", "vanilla-compiled-dense",
                 "vanilla-compiled-dense:DTYPE", "hf", "hf-pld",
-                "hf-assisted:SOURCE[@DTYPE]", "pld", "chain:SPEC", "chain")
+                "hf-assisted:SOURCE[@DTYPE]", "pld", "chain:SPEC", "chain", "llamacpp", "llamacpp-pld")

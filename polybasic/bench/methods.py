@@ -8,6 +8,8 @@ declared with `register(name, MethodArg(...))`, whose cheap check runs before an
 """
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,13 +80,16 @@ class MethodArg:
 
 METHODS: dict[str, Callable[[BenchContext, str | None], Runner]] = {}
 ARGS: dict[str, MethodArg] = {}  # methods that accept `name:arg`
+NEEDS: dict[str, Callable[[], str | None]] = {}  # methods that need an optional package: why they can't run, or None
 
 
-def register(name: str, arg: MethodArg | None = None):
+def register(name: str, arg: MethodArg | None = None, needs: Callable[[], str | None] | None = None):
     def deco(factory):
         METHODS[name] = factory
         if arg is not None:
             ARGS[name] = arg
+        if needs is not None:
+            NEEDS[name] = needs
         return factory
     return deco
 
@@ -107,7 +112,10 @@ def parse_methods(spec: str) -> list[str]:
             raise ConfigError(f"methods: '{n}' needs an argument; spell it {base}:{ARGS[base].form}")
         if arg:
             ARGS[base].check(arg, f"methods: '{n}'")
-    return ["vanilla"] + [n for n in names if n != "vanilla"]
+    missing = {n: why for n in names if (why := NEEDS.get(n.split(":", 1)[0], lambda: None)())}
+    for n, why in missing.items():
+        print(f"[methods: {n} skipped: {why}]", file=sys.stderr)
+    return ["vanilla"] + [n for n in names if n != "vanilla" and n not in missing]
 
 
 def split_source_dtype(text: str) -> tuple[str, str | None]:
@@ -276,3 +284,60 @@ def _chain(ctx: BenchContext, arg: str | None) -> Runner:
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
     levels = parse_chain(arg, target, flag=f"--methods chain:{arg}", cache=ctx.levels)
     return _chain_runner(ctx, lambda: levels)
+
+
+# -- peers: llama.cpp on the target's own GGUF file (the optional extra [peers]) -----------------------
+def _llama_cpp_missing() -> str | None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        return ("llama.cpp's Python binding is not installed: pip install 'polybasic[peers]' (llama-cpp-python "
+                "builds llama.cpp from source with cmake and a C++ compiler, ~11 min on 2 cores)")
+    return None
+
+
+def _llama(ctx: BenchContext, method: str, **kw):
+    """llama.cpp on the target's GGUF, CPU threads as torch's, context for the run's longest prompt."""
+    import llama_cpp  # the optional extra [peers], checked by parse_methods
+
+    if ctx.gguf is None:
+        raise ConfigError(f"methods: '{method}' runs the target's GGUF file in llama.cpp, but the target was not "
+                          "loaded from one; pass a packaged short name or a .gguf file as --model")
+    return llama_cpp.Llama(model_path=str(ctx.gguf), n_ctx=ctx.max_prompt_tokens + ctx.max_new_tokens + 8,
+                           n_batch=512, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
+                           n_gpu_layers=-1 if ctx.model.device.type == "cuda" else 0, verbose=False, **kw)
+
+
+def _llama_runner(ctx: BenchContext, llm) -> Runner:
+    """Our prompt ids (the same chat template) into llama.cpp, its own sampler set to ours (greedy at
+    temperature 0; no min-p, repetition or other penalties), stopping at our EOS ids or the budget."""
+    s = ctx.sampling
+
+    def run(prompt_ids: list[int], seed: int) -> Output:
+        llm.reset()
+        llm.set_seed(seed)
+        tokens = []
+        with timed("cpu") as t:
+            for tok in llm.generate(prompt_ids, temp=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=0.0,
+                                    typical_p=1.0, repeat_penalty=1.0, reset=True):
+                tokens.append(int(tok))
+                if tok in ctx.eos or len(tokens) >= ctx.max_new_tokens:
+                    break
+        return Output(tokens, t.seconds)
+    return run
+
+
+@register("llamacpp", needs=_llama_cpp_missing)
+def _llamacpp(ctx: BenchContext, arg: str | None) -> Runner:
+    """llama.cpp (through llama-cpp-python) decoding the target's own GGUF file: the CPU engine a user
+    already has, side by side in the same run. Other kernels than ours: its greedy output agrees with
+    vanilla's on most prompts, not all (the report's `identical` column counts them)."""
+    return _llama_runner(ctx, _llama(ctx, "llamacpp"))
+
+
+@register("llamacpp-pld", needs=_llama_cpp_missing)
+def _llamacpp_pld(ctx: BenchContext, arg: str | None) -> Runner:
+    """llama.cpp with its prompt-lookup drafts (llama-cpp-python's LlamaPromptLookupDecoding, k =
+    --draft-tokens, n-grams up to 3), the peer of our `pld`."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    return _llama_runner(ctx, _llama(ctx, "llamacpp-pld", draft_model=LlamaPromptLookupDecoding(
+        max_ngram_size=3, num_pred_tokens=ctx.draft_tokens)))

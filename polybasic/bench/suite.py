@@ -57,7 +57,6 @@ def validate(a: argparse.Namespace):
     a.methods = a.methods or (BUNDLE_METHODS if bundle else DEFAULT_METHODS)
     _check_chains(a.methods)
 
-
     device = check_device(a.device, "--device")
     methods = parse_methods(a.methods)
     if "chain" in methods and bundle is None:
@@ -107,7 +106,6 @@ def _check_bundle(a: argparse.Namespace):
 
 def run_bench_command(a: argparse.Namespace) -> int:
     methods, sampling, questions = validate(a)
-
 
 
     if a.threads:

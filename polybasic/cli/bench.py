@@ -14,7 +14,9 @@ def add_parser(sub) -> None:
                                    f"decoder on the target loaded again in DTYPE; hf-assisted:SOURCE[@DTYPE] runs "
                                    f"transformers assisted generation with that assistant (same tokenizer as the "
                                    f"target; DTYPE defaults to --dtype); chain:SPEC runs a chain spelled as for "
-                                   f"`generate --chain`; chain alone runs the --bundle's chain.\n\n{CHAIN_HELP}")
+                                   f"`generate --chain`; chain alone runs the --bundle's chain; "
+                                   f"llamacpp and llamacpp-pld run llama.cpp on the target's own GGUF file (pip "
+                                   f"install 'polybasic[peers]'; skipped with a message without it).\n\n{CHAIN_HELP}")
     p.add_argument("--bundle", default=None, metavar="PATH|HUB_ID",
                    help="a chain bundle: its target is the model, and method `chain` (no spec) runs its chain "
                         "with its k and thresholds, printing the planned (predicted) speedup beside the "

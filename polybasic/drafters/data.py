@@ -70,7 +70,6 @@ def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128
     a finished shard is read instead of generated again."""
     from tqdm import tqdm
 
-
     eos = eos if eos is not None else eos_ids(tokenizer)
     ids = [encode_prompt(tokenizer, text)[-max_prompt_tokens:] for text in prompts]
     out: list[Sample | None] = [None] * len(ids)
@@ -126,7 +125,6 @@ def self_instruct(model, tokenizer, n: int, max_tokens: int = 96, seed: int = 0,
     3n attempts. Batch j samples with its own generator (seed, j); with shard_dir each batch's
     finished turns are saved as a shard (`prompts-JJJJJ.jsonl`) and reused on a rerun."""
     from tqdm import tqdm
-
 
     prefix = user_turn_prefix(tokenizer)
     eos = eos_ids(tokenizer)

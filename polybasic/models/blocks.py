@@ -109,7 +109,6 @@ class Attention(nn.Module):
                                                enable_gqa=h != g)  # [B, H, M, D]
         return project(self.wo, y.reshape(bsz, h, m, self.head_dim).transpose(1, 2).reshape(bsz, m, h * self.head_dim))
 
-
     def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, compiling: bool, mask: Tensor | None = None) -> Tensor:
         """One query row per sequence, q [B, H, 1, D], over the cached rows k, v [B, G, L, D] that `mask`
         [B, 1, 1, L] (left-padded batches; None: all) lets it see -> [B, H, 1, D]."""

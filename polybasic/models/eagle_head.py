@@ -334,7 +334,6 @@ def load_head(path: str | Path, base: Transformer | None = None) -> EagleHead:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"drafter: checkpoint {p} does not exist; pass the path of a head.safetensors")

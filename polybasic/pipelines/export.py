@@ -29,7 +29,6 @@ def plan_summary(row: dict) -> dict:
 def run_stage(ctx) -> list[Path]:
     import yaml
 
-
     out, recipe = ctx.out, ctx.recipe
     plan = json.loads((out / "plan.json").read_text())
     best = plan["rows"][0]

@@ -125,7 +125,6 @@ def _cached(work: Path, key: str, what: str, measure, to_dict, from_dict):
 def run_stage(ctx) -> list[Path]:
     from dataclasses import asdict, replace
 
-
     recipe, out, lm = ctx.recipe, ctx.out, ctx.target
     sec: ProfileSection = recipe.profile
     sampling = SamplingConfig(temperature=sec.temperature, top_p=sec.top_p)

@@ -233,7 +233,6 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
     import copy
     from dataclasses import replace
 
-
     q, cal = recipe.quantize, recipe.quantize.calib
     qconf = replace(cal.quant_config(q.kernel), quantize_lm_head=q.quantize_lm_head)
     main = build_quantized_model(fp, res, qconf, parse_dtype(q.exec_dtype), codes=codes)

@@ -1,0 +1,40 @@
+"""The CPU peer in the bench: llama.cpp on the target's own GGUF (optional extra [peers]); skipped with
+a clear message where llama-cpp-python is missing, run side by side with our vanilla where it is."""
+import importlib.util
+
+import pytest
+
+from polybasic.bench.methods import parse_methods
+
+
+def test_peers_are_skipped_with_the_install_line_when_missing(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert parse_methods("pld,llamacpp,llamacpp-pld") == ["vanilla", "pld"]
+    err = capsys.readouterr().err
+    for name in ("llamacpp", "llamacpp-pld"):
+        assert f"[methods: {name} skipped: llama.cpp's Python binding is not installed: pip install " \
+               "'polybasic[peers]'" in err
+
+
+@pytest.mark.model
+def test_llamacpp_decodes_the_targets_own_gguf_beside_vanilla():
+    pytest.importorskip("llama_cpp", reason="the optional extra [peers] (llama-cpp-python) is not installed")
+    from polybasic.bench.methods import BenchContext, make_runner
+    from polybasic.models import load_model
+    from polybasic.runtime.text import encode_prompt, eos_ids
+
+    lm = load_model("smollm2-135m")
+    prompts = [encode_prompt(lm.tokenizer, p) for p in ("Name three rivers in Europe.", "What is 7 times 8?",
+                                                          "Write a haiku about the sea.")]
+    ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), 16, gguf=lm.gguf_file,
+                       max_prompt_tokens=max(map(len, prompts)))
+    ours, peer, pld = (make_runner(m, ctx) for m in ("vanilla", "llamacpp", "llamacpp-pld"))
+    same_start = 0
+    for ids in prompts:
+        a, b, c = ours(ids, 0), peer(ids, 0), pld(ids, 0)
+        assert 0 < len(b.tokens) <= 16 and b.wall_s > 0 and len(c.tokens) > 0
+        assert b.tokens == c.tokens  # llama.cpp's prompt lookup is lossless against llama.cpp's own greedy
+        same_start += a.tokens[:2] == b.tokens[:2]
+    # other kernels (llama.cpp quantizes activations for its Q4_1 dot products): the same start on most prompts
+    assert same_start >= 2
