@@ -109,7 +109,7 @@ class Planned:
     variant: Variant
     folder: Path
     tree: dict
-    recipe: object  # pipelines.recipe.Recipe
+    recipe: object  # config.Recipe
 
     @property
     def recipe_path(self) -> Path:

@@ -8,6 +8,7 @@ declared with `register(name, MethodArg(...))`, whose cheap check runs before an
 """
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -301,9 +302,11 @@ def _llama(ctx: BenchContext, method: str, **kw):
     if ctx.gguf is None:
         raise ConfigError(f"methods: '{method}' runs the target's GGUF file in llama.cpp, but the target was not "
                           "loaded from one; pass a packaged short name or a .gguf file as --model")
-    return llama_cpp.Llama(model_path=str(ctx.gguf), n_ctx=ctx.max_prompt_tokens + ctx.max_new_tokens + 8,
-                           n_batch=512, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
-                           n_gpu_layers=-1 if ctx.model.device.type == "cuda" else 0, verbose=False, **kw)
+    llm = llama_cpp.Llama(model_path=str(ctx.gguf), n_ctx=ctx.max_prompt_tokens + ctx.max_new_tokens + 8,
+                          n_batch=512, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
+                          n_gpu_layers=-1 if ctx.model.device.type == "cuda" else 0, verbose=False, **kw)
+    atexit.register(llm.close)  # freed before interpreter shutdown (its finalizer fails once modules are gone)
+    return llm
 
 
 def _llama_runner(ctx: BenchContext, llm) -> Runner:
@@ -336,8 +339,10 @@ def _llamacpp(ctx: BenchContext, arg: str | None) -> Runner:
 @register("llamacpp-pld", needs=_llama_cpp_missing)
 def _llamacpp_pld(ctx: BenchContext, arg: str | None) -> Runner:
     """llama.cpp with its prompt-lookup drafts (llama-cpp-python's LlamaPromptLookupDecoding, k =
-    --draft-tokens, n-grams up to 3), the peer of our `pld`."""
+    --draft-tokens, n-grams up to 3), the peer of our `pld`. Not bitwise lossless: llama.cpp's batched
+    verification rounds otherwise than its one-token step, so its output may drift from `llamacpp`'s."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    return _llama_runner(ctx, _llama(ctx, "llamacpp-pld", draft_model=LlamaPromptLookupDecoding(
+    # logits_all: its draft path reads every position's logits (without it a prompt longer than n_batch fails)
+    return _llama_runner(ctx, _llama(ctx, "llamacpp-pld", logits_all=True, draft_model=LlamaPromptLookupDecoding(
         max_ngram_size=3, num_pred_tokens=ctx.draft_tokens)))

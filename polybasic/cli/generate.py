@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from polybasic.config import DEFAULT_MODEL
+from polybasic.config import DEFAULT_MODEL, SamplingConfig
 from polybasic.errors import ConfigError, DataNotFoundError
 from polybasic.models.preflight import check_source
 from polybasic.runtime.chainspec import CHAIN_HELP, check_chain_files, parse_chain_spec
@@ -100,7 +100,6 @@ def _precheck_generate(a: argparse.Namespace):
 def _cmd_generate(a: argparse.Namespace) -> int:
     prompt, spec, thresholds = _precheck_generate(a)
     # the runtime, imported when the command runs (start-up time: `--help` and argument errors stay free of torch)
-    from polybasic.config import SamplingConfig
     from polybasic.models.prepare import check_compilable, compile_for_device
     from polybasic.quant.api import load_any_model
     from polybasic.runtime.chain import Chain, check_k

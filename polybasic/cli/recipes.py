@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from polybasic.config import load_yaml, shipped_recipes
+from polybasic.config_docs import render_fields
 from polybasic.pipelines.stages import NAMES, STAGES
 
 SET_HELP = ("override a recipe field, e.g. --set distill.train.lr=1e-2 or --set 'bench.categories=[qa, rag]' "
@@ -33,8 +34,6 @@ def _add(sub, name: str, help_text: str, only) -> None:
 
 def _list(a: argparse.Namespace) -> int:
     if a.fields:
-        from polybasic.config_docs import render_fields
-
         print(render_fields(), end="")
         return 0
     recipes = shipped_recipes()

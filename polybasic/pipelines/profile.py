@@ -1,7 +1,7 @@
 """The `profile` stage: every candidate level's forward cost and every verifier <- drafter pair's
 acceptance, on the device the chain will run on, written as `<out>/profile.json` (planner.Profile).
 
-Candidates are chain-level spellings (pipelines.sections); the recipe's own outputs are named
+Candidates are chain-level spellings (config.ProfileSection); the recipe's own outputs are named
 `quantized`, `eagle:target`, `eagle:quantized`, and the profile names levels as the recipe does
 (`chain_spelling` turns a profiled chain into the files of a run). Pairs: a model verifies every other model level
 but the target, the n-gram proposer, and the EAGLE head trained on it. Acceptance is measured on

@@ -27,14 +27,19 @@ def test_llamacpp_decodes_the_targets_own_gguf_beside_vanilla():
     lm = load_model("smollm2-135m")
     prompts = [encode_prompt(lm.tokenizer, p) for p in ("Name three rivers in Europe.", "What is 7 times 8?",
                                                           "Write a haiku about the sea.")]
+    long = encode_prompt(lm.tokenizer, "Summarize: " + "the river runs to the sea and back " * 80)
+    assert len(long) > 512  # longer than llama.cpp's batch: prefilled in two batches
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), 16, gguf=lm.gguf_file,
-                       max_prompt_tokens=max(map(len, prompts)))
+                       max_prompt_tokens=len(long))
     ours, peer, pld = (make_runner(m, ctx) for m in ("vanilla", "llamacpp", "llamacpp-pld"))
     same_start = 0
     for ids in prompts:
         a, b, c = ours(ids, 0), peer(ids, 0), pld(ids, 0)
         assert 0 < len(b.tokens) <= 16 and b.wall_s > 0 and len(c.tokens) > 0
-        assert b.tokens == c.tokens  # llama.cpp's prompt lookup is lossless against llama.cpp's own greedy
+        # the same prefill: the same first token (later ones may differ: llama.cpp's batched verification
+        # does not round as its one-token step does, so its prompt lookup drifts from its own greedy output)
+        assert b.tokens[0] == c.tokens[0]
         same_start += a.tokens[:2] == b.tokens[:2]
     # other kernels (llama.cpp quantizes activations for its Q4_1 dot products): the same start on most prompts
     assert same_start >= 2
+    assert len(peer(long, 0).tokens) > 0 and len(pld(long, 0).tokens) > 0
