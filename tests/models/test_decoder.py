@@ -190,3 +190,10 @@ def test_compiled_decode_matches_transformers_and_eager_greedy():
     for n_prompt in (7, 25):
         prompt = ids[0, :n_prompt].tolist()
         assert list(generate_tokens(compiled, prompt, 16)) == list(generate_tokens(lean, prompt, 16))
+
+
+def test_the_args_name_every_family():
+    from polybasic.models.args import FAMILY_NAMES
+    from polybasic.models.families import FAMILIES
+
+    assert tuple(FAMILIES) == FAMILY_NAMES

@@ -62,3 +62,10 @@ def test_a_bad_override_fails_before_anything_runs(tmp_path, monkeypatch, capsys
     assert main(["run", "smollm2-smoke", "--set", "distill.train.lr=-1"]) == 2
     assert "distill.train: lr: must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_schema_names_the_stage_table_s_stages_in_order():
+    from polybasic.config import STAGE_NAMES, Recipe
+    from polybasic.pipelines.stages import NAMES
+
+    assert STAGE_NAMES == NAMES and Recipe().stages == list(NAMES)
