@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from polybasic.data.catalog import SHIPPED, SPEC_BENCH, shipped_path
+from polybasic.data.catalog import SPEC_BENCH, local_or_shipped
 from polybasic.errors import ConfigError
 
 DEFAULT_QUESTIONS = SPEC_BENCH  # the shipped Spec-Bench questions, by short name (polybasic.data.catalog)
@@ -22,9 +22,7 @@ class Question:
 
 def questions_path(name: str | Path | None) -> Path:
     """The question file: a shipped data set's short name (default `spec-bench`) or a path."""
-    name = DEFAULT_QUESTIONS if name is None or str(name) == "" else name
-    p = Path(name).expanduser()
-    return shipped_path(str(name)) if str(name) in SHIPPED and not p.exists() else p
+    return local_or_shipped(DEFAULT_QUESTIONS if name is None or str(name) == "" else name)
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:

@@ -22,3 +22,10 @@ SPEC_BENCH = "spec-bench"
 def shipped_path(name: str) -> Path:
     """The file of the shipped data set `name` (a key of SHIPPED)."""
     return Path(str(files("polybasic.data") / "files" / SHIPPED[name]))
+
+
+def local_or_shipped(name: str | Path) -> Path:
+    """The path `name` names: a shipped data set's package file for its short name, unless a local
+    file or folder of that name exists (a local path always wins); '~' expanded."""
+    p = Path(name).expanduser()
+    return shipped_path(str(name)) if str(name) in SHIPPED and not p.exists() else p

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
-from polybasic.data.catalog import ALPACA, SHIPPED, SPEC_BENCH, shipped_path
+from polybasic.data.catalog import ALPACA, SHIPPED, SPEC_BENCH, local_or_shipped, shipped_path
 from polybasic.errors import ConfigError, check
 
 DEFAULT_DATA = ALPACA  # the shipped Alpaca subset, by its short name (polybasic.data.catalog)
@@ -76,8 +76,7 @@ class DataSource:
 
     def local_path(self) -> Path:
         """The file or folder to read: a shipped data set's package file, else the path as written."""
-        p = Path(self.path).expanduser()
-        return shipped_path(self.path) if self.path in SHIPPED and not p.exists() else p
+        return local_or_shipped(self.path)
 
     def check_not_benchmark(self, field: str) -> None:
         """A cheap check before any reading: the shipped benchmark, by name, is never training data
