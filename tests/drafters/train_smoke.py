@@ -17,6 +17,7 @@ from polybasic.drafters.module import fit
 from polybasic.models.args import ModelArgs
 from polybasic.models.decoder import Transformer
 from polybasic.models.eagle_head import DrafterConfig
+from polybasic.runtime.context import ExecutionContext
 from polybasic.runtime.generate import generate_tokens
 
 
@@ -52,8 +53,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     base = tiny_base()
     cfg = TrainConfig(lr=3e-3, batch_size=2, max_epochs=a.epochs, strategy=a.strategy, devices=a.devices)
+    # the execution context decides the strategy's backend (nccl / gloo) and the accelerator, as in a recipe
+    ctx = ExecutionContext("cuda" if a.accelerator == "gpu" else "cpu", flag="--accelerator")
     module = fit(base, DistillDataset(tiny_samples(base), 64), DrafterConfig.for_base(base.args), cfg, a.out,
-                 accelerator=a.accelerator)
+                 ctx=ctx)
     rank = module.global_rank
     checksum = float(sum(p.detach().double().sum() for p in module.head.parameters()))
     Path(a.out, f"rank{rank}.json").write_text(json.dumps(
