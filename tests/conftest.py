@@ -12,3 +12,22 @@ torch.set_num_threads(1)
 def device(request) -> str:
     """Every device a test should run on: the CPU, and CUDA where available (gpu marker)."""
     return request.param
+
+
+# markers whose tests run only when selected by name (`-m big`, `-m vllm`), never in the default run
+OPT_IN = {
+    "big": "real-model test: run with `make test-big` (pytest -m big)",  # multi-GB Qwen2.5-Coder wheels
+    "vllm": "real vLLM engine: run with `make vllm-check` (pytest -m vllm)",  # its own venv, .venv-vllm
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the OPT_IN markers' tests unless the -m expression names that marker, so neither CI nor
+    `-m 'not model'` ever downloads the big models or starts vLLM."""
+    for marker, reason in OPT_IN.items():
+        if marker in (config.option.markexpr or ""):
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)

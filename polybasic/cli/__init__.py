@@ -1,4 +1,4 @@
-"""`polybasic` command line: generate, bench, push, recipes, and the recipe stages (run, or one of
+"""`polybasic` command line: generate, bench, serve-check, push, recipes, and the recipe stages (run, or one of
 quantize, distill, profile, plan, export).
 
 Building the parser and checking arguments import no torch, transformers or lightning: every
@@ -12,7 +12,7 @@ import logging
 import sys
 
 from polybasic import __version__
-from polybasic.cli import bench, generate, push, recipes
+from polybasic.cli import bench, generate, push, recipes, serve_check
 from polybasic.errors import PolybasicError
 
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                formatter_class=HelpFormatter))
     generate.add_parser(sub)
     bench.add_parser(sub)
+    serve_check.add_parser(sub)
     push.add_parser(sub)
     recipes.add_parsers(sub)
     return parser

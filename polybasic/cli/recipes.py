@@ -18,18 +18,24 @@ SET_HELP = ("override a recipe field, e.g. --set distill.train.lr=1e-2 or --set 
 
 
 def _run(a: argparse.Namespace) -> int:
+    if getattr(a, "format", "bundle") == "speculators":
+        from polybasic.pipelines.export import run_speculators  # start-up time: torch only when it runs
+
+        run_speculators(a.recipe, a.out, overrides=tuple(a.overrides))
+        return 0
     from polybasic.pipelines.run import run_recipe  # start-up time: torch only when a stage runs
 
     run_recipe(a.recipe, a.out, only=a.only, overrides=tuple(a.overrides))
     return 0
 
 
-def _add(sub, name: str, help_text: str, only) -> None:
+def _add(sub, name: str, help_text: str, only) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.add_argument("recipe", help="a recipe YAML file, or a shipped recipe's name (`polybasic recipes` lists them)")
     p.add_argument("--out", default=None, help="output folder (default: the recipe's out_dir)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     p.set_defaults(func=_run, only=only)
+    return p
 
 
 def _list(a: argparse.Namespace) -> int:
@@ -55,4 +61,9 @@ def add_parsers(sub) -> None:
                      "match their inputs' fingerprint and resuming an interrupted one", None)
     for stage in STAGES:
         if stage.name not in sub.choices:  # the bench stage runs through `run`; `bench` is the benchmark command
-            _add(sub, stage.name, stage.help, (stage.name,))
+            p = _add(sub, stage.name, stage.help, (stage.name,))
+            if stage.name == "export":
+                p.add_argument("--format", choices=("bundle", "speculators"), default="bundle",
+                               help="bundle: the planned chain as a bundle (the stage); speculators: the target's "
+                                    "eagle3 head (distill/target/head.safetensors) as <out>/speculators, the "
+                                    "folder vLLM serves as an eagle3 drafter (needs distill only)")

@@ -9,7 +9,8 @@ prompt tokens with prompt_loss). What the regression compares is `regress`:
   postnorm  the final norm's output, base.norm(pred) vs base.norm(true): the LM head's input, the
             state EAGLE-1 regresses. It only constrains what the logits see (the direction, per
             norm weight), not the scale of the pre-norm feature the next draft step reads.
-  none      no regression term, the token loss only (EAGLE-3).
+  none      no regression term, the token loss only (EAGLE-3; the only choice for an eagle3 head,
+            models.eagle_head.Eagle3Head, whose outputs are no base feature).
 With ttt_steps = K > 1 (training-time test, EAGLE-3) the head also drafts K-1 steps further on its
 own predictions, attending as the drafting loop does (`EagleHead.unroll`), and step j's losses
 count with weight ttt_decay**(j-1) (normalised): the later draft steps learn from the inputs they
@@ -35,7 +36,7 @@ from polybasic.artifacts import announce, fault_point, torch_save
 from polybasic.config import TrainConfig
 from polybasic.drafters.data import EpochSampler, collate
 from polybasic.errors import ConfigError, check
-from polybasic.models.eagle_head import DrafterConfig, EagleHead, frequent_tokens, save_head
+from polybasic.models.eagle_head import DrafterConfig, EagleHead, frequent_tokens, make_head, save_head
 from polybasic.runtime.context import ExecutionContext
 
 
@@ -43,13 +44,16 @@ class DistillModule(L.LightningModule):
     def __init__(self, base, head_cfg: DrafterConfig, cfg: TrainConfig, draft_vocab=None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.head = EagleHead(head_cfg)
+        check(head_cfg.arch == "eagle1" or cfg.regress == "none", "distill.train.regress",
+              f"is {cfg.regress!r}, and an {head_cfg.arch} head predicts no base feature",
+              "set distill.train.regress: none (the token loss alone)")
+        self.head = make_head(head_cfg)
         if head_cfg.draft_vocab_size:
             check(draft_vocab is not None, "draft_vocab", "is required with draft_vocab_size > 0",
                   "pass frequent_tokens(samples, n, vocab_size)")
             self.head.set_draft_vocab(draft_vocab)
         object.__setattr__(self, "base", base.requires_grad_(False).eval())
-        self.head.bind(base)
+        self.head.init_output_from_base(base).bind(base)
         if cfg.init_from_base:
             self.head.init_from_base(base)
         self.losses: list[float] = []
@@ -85,7 +89,7 @@ class DistillModule(L.LightningModule):
         base_row[keep] = torch.arange(int(keep.sum()), device=keep.device)
         with torch.no_grad():  # the base's distribution (renormalised on the draft vocabulary, if any),
             # its top token and entropy, once for all steps
-            probs, top, entropy = _vocab_op(target_stats, self.cfg)(self.head.logits(last[:, 1:][keep]))
+            probs, top, entropy = _vocab_op(target_stats, self.cfg)(self.head.base_logits(last[:, 1:][keep]))
             base = {"probs": probs, "top": top, "entropy": entropy}  # [R, V'], [R], [R]
         logs: dict[str, torch.Tensor] = {}
         loss = 0.0

@@ -76,11 +76,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, in_dim: int | None = None) -> None:
+        """in_dim: the width of the rows q, k and v are projected from (default args.dim; an EAGLE-3 head's
+        layer reads [embedding; hidden], 2 * dim)."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)  # [q; k; v] rows
+        self.wqkv = nn.Linear(in_dim or args.dim, qkv_out, bias=args.qkv_bias)  # [q; k; v] rows
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
 

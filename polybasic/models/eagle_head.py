@@ -26,6 +26,19 @@ What we do, and how it differs from EAGLE:
 - Optional reduced draft vocabulary (`draft_vocab_size`, EAGLE-3): the head's logits cover only
   the most frequent answer tokens of its training data.
 
+`DrafterConfig.arch = "eagle3"` selects `Eagle3Head` instead: the function vLLM's eagle3 drafter
+computes (vllm/model_executor/models/llama_eagle3.py, vLLM 0.32), so a head exported in the
+speculators format (models.speculators_format) drafts the same tokens there as here:
+- hidden h_p = fc([a_1; ...; a_n]) (nE -> E, no bias) over the outputs of the base layers
+  `feature_layers` at position p (vLLM's aux hidden state of layer id i is the INPUT of decoder
+  layer i, i.e. our layer i-1's output: eagle_aux_hidden_state_layer_ids = feature_layers + 1);
+- one decoder layer at position p: attention over [input_layernorm(emb(x_{p+1})); hidden_norm(h_p)]
+  (q/k/v read 2E), residual h_p (norm_before_residual false), post-attention norm, gated MLP;
+  its output o_p (before any norm) is what the next draft step reads as its h (no fc);
+- logits over the draft vocabulary: lm_head(norm(o_p)), its own norm and LM head (started from the
+  base's final norm and its LM head's rows d2t; the LM head stays frozen, as speculators trains it);
+  the base's embedding is shared. Trained by the token loss alone (train.regress: none).
+
 Shapes: B batch, M rows in this call, E model dim, V vocabulary.
 """
 from __future__ import annotations
@@ -38,15 +51,27 @@ import torch
 from torch import Tensor, nn
 
 from polybasic.artifacts import save_safetensors
-from polybasic.config import check_feature_layers
+from polybasic.config import HEAD_ARCHS, check_feature_layers
 from polybasic.errors import ConfigError, check
 from polybasic.models.args import BlockShape, ModelArgs
-from polybasic.models.blocks import KVCache, RMSNorm
+from polybasic.models.blocks import Attention, FeedForward, KVCache, RMSNorm
 from polybasic.models.decoder import Transformer
 from polybasic.models.families import block_for
 from polybasic.models.preflight import FIX_HEAD, corrupt_safetensors, safetensors_metadata
 
 DRAFTER_VERSION = 2
+ARCHS = HEAD_ARCHS  # eagle1: EagleHead, eagle3: Eagle3Head
+_EAGLE1_ONLY = {"fc_bias": True, "input_norms": True, "feature_residual": True}  # fields eagle3 heads keep at these
+
+
+def eagle3_layers(n_layers: int) -> list[int]:
+    """The base layers an EAGLE-3 head reads by default: vLLM's aux hidden state layer ids for llama,
+    (2, n//2, n-3), as the 0-based layers whose outputs they are (id i is layer i-1's output)."""
+    layers = [2 - 1, n_layers // 2 - 1, n_layers - 3 - 1]
+    check(layers == sorted(set(layers)) and layers[0] >= 0 and layers[-1] <= n_layers - 2,
+          "distill.feature_layers", f"vLLM's default EAGLE-3 layers {layers} do not fit a {n_layers}-layer model",
+          "name the layers the head reads, e.g. [0] (0-based decoder layers below the last)")
+    return layers
 
 
 @dataclass(kw_only=True)
@@ -54,16 +79,27 @@ class DrafterConfig(BlockShape):
     """The head's architecture (its block is shaped like one of the base's); saved as JSON in the
     checkpoint's metadata."""
 
+    arch: str = "eagle1"  # eagle1: EagleHead (this module's docstring); eagle3: Eagle3Head (vLLM's eagle3)
     n_layers: int = 1  # decoder blocks (EAGLE uses one; small bases may need more)
     fc_bias: bool = True
     draft_vocab_size: int = 0  # > 0: draft over the N most frequent target tokens only (EAGLE-3)
     input_norms: bool = True  # RMSNorm the embedding and the feature before the fuse layer
     feature_residual: bool = True  # the block's input is f_p + fc(...), not fc(...) alone
-    feature_layers: list[int] = field(default_factory=list)  # also read these base layers' outputs (EAGLE-3)
+    feature_layers: list[int] = field(default_factory=list)  # also read these base layers' outputs
+    # (eagle3: the layers fc fuses, default eagle3_layers)
     version: int = DRAFTER_VERSION
 
     def __post_init__(self) -> None:
         self.check_shape("DrafterConfig", "fix the drafter config")
+        check(self.arch in ARCHS, "DrafterConfig.arch", f"is {self.arch!r}", f"use one of {', '.join(ARCHS)}")
+        if self.arch == "eagle3":
+            check(self.n_layers == 1, "DrafterConfig.n_layers", f"is {self.n_layers}; an eagle3 head has one "
+                  "decoder layer (vLLM's eagle3 drafter)", "use 1 (distill.head_layers: 1)")
+            check(bool(self.feature_layers), "DrafterConfig.feature_layers", "is empty; an eagle3 head fuses "
+                  "base layers", "build the config with DrafterConfig.for_base (default: eagle3_layers)")
+            for name, default in _EAGLE1_ONLY.items():
+                check(getattr(self, name) == default, f"DrafterConfig.{name}", "is an eagle1 option",
+                      f"leave it at {default} for an eagle3 head")
         check(self.n_layers >= 1, "DrafterConfig.n_layers", f"must be >= 1, got {self.n_layers}", "use e.g. 1")
         check(0 <= self.draft_vocab_size <= self.vocab_size, "DrafterConfig.draft_vocab_size",
               f"must be in [0, vocab_size={self.vocab_size}], got {self.draft_vocab_size}",
@@ -75,14 +111,22 @@ class DrafterConfig(BlockShape):
 
     @classmethod
     def for_base(cls, args: ModelArgs, **overrides) -> "DrafterConfig":
-        """A head matching a base model (its decoder block is shaped like one of the base's)."""
+        """A head matching a base model (its decoder block is shaped like one of the base's; an eagle3
+        head without feature_layers reads eagle3_layers)."""
+        if overrides.get("arch") == "eagle3" and not overrides.get("feature_layers"):
+            overrides["feature_layers"] = eagle3_layers(args.n_layers)
         return cls(**{**args.shape(), **overrides})
 
     def block_args(self) -> ModelArgs:
         return ModelArgs(n_layers=1, **self.shape())
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; `arch` only when not eagle1, so an eagle1 head's metadata is what it was before
+        the field (older polybasic reads it)."""
+        d = asdict(self)
+        if d["arch"] == "eagle1":
+            del d["arch"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
@@ -130,11 +174,28 @@ def _rope(cfg: DrafterConfig, start: int, end: int, device, dtype) -> tuple[Tens
 
 
 class EagleHead(nn.Module):
-    """fc (2E -> E) + n_layers decoder blocks; `bind(base)` shares the base's embedding, norm and LM head."""
+    """fc (2E -> E) + n_layers decoder blocks; `bind(base)` shares the base's embedding, norm and LM head.
+    Build heads with `make_head(cfg)` (it picks Eagle3Head for arch eagle3)."""
+
+    ARCH = "eagle1"
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
+        check(cfg.arch == self.ARCH, "DrafterConfig.arch", f"is {cfg.arch!r} but {type(self).__name__} is "
+              f"{self.ARCH}", "build the head with make_head(cfg)")
         self.cfg = cfg
+        self._build(cfg)
+        self._set_caches(_NoCache)
+        self.max_cache = 0
+        if cfg.draft_vocab_size:  # draft id -> target id; saved with the head
+            self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size))
+        else:
+            self.d2t = None
+        object.__setattr__(self, "base", None)  # not a submodule: never saved, never trained
+        object.__setattr__(self, "_draft_head", {})  # (base head, dtype, ...) -> LM head rows drafted over
+
+    def _build(self, cfg: DrafterConfig) -> None:
+        """The trained modules: fc, the blocks (and the optional norms and layer fusion)."""
         self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=cfg.fc_bias)
         if cfg.input_norms:
             self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -148,14 +209,6 @@ class EagleHead(nn.Module):
             if self.fc.bias is not None:
                 nn.init.zeros_(self.fc.bias)
         self.layers = nn.ModuleList(block_for(cfg.block_args()) for _ in range(cfg.n_layers))  # the base family's
-        self._set_caches(_NoCache)
-        self.max_cache = 0
-        if cfg.draft_vocab_size:  # draft id -> target id; saved with the head
-            self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size))
-        else:
-            self.d2t = None
-        object.__setattr__(self, "base", None)  # not a submodule: never saved, never trained
-        object.__setattr__(self, "_draft_head", {})  # (base head, dtype, ...) -> LM head rows drafted over
 
     @torch.no_grad()
     def init_from_base(self, base: Transformer) -> "EagleHead":
@@ -163,12 +216,11 @@ class EagleHead(nn.Module):
         linears contribute their dequantized weights)."""
         for block, src in zip(self.layers, base.layers[-len(self.layers):]):
             for name, p in block.named_parameters():
-                mod_name, _, attr = name.rpartition(".")
-                mod = src.get_submodule(mod_name)
-                w = getattr(mod, attr, None)
-                if not isinstance(w, Tensor):  # a quantized linear
-                    w = mod.dequantized_weight(torch.float32)
-                p.copy_(w.to(p.dtype))
+                p.copy_(_base_param(src, name).to(p.dtype))
+        return self
+
+    def init_output_from_base(self, base: Transformer) -> "EagleHead":
+        """Start the head's own output layers from the base's (an eagle1 head has none: it uses the base's)."""
         return self
 
     def _set_caches(self, make) -> None:
@@ -183,6 +235,12 @@ class EagleHead(nn.Module):
         for block in self.layers:
             x = block(x, cos, sin, mask, start)
         return x
+
+    def _step(self, tokens: Tensor, feats: Tensor, pos: int, mask: Tensor | None, start: int) -> Tensor:
+        """One pass of the head's rows at positions pos..pos+M-1, writing cache rows start..: tokens [B, M],
+        feats [B, M, E] or [B, M, (n+1) E] (see _fuse) -> outputs [B, M, E]."""
+        x = self._fuse(tokens, feats)  # [B, M, E]
+        return self._blocks(x, *_rope(self.cfg, pos, pos + x.shape[1], x.device, x.dtype), mask, start)
 
     def bind(self, base: Transformer) -> "EagleHead":
         """Share `base`'s embedding, final norm and LM head, and make the base return the layers this head
@@ -219,12 +277,10 @@ class EagleHead(nn.Module):
         elif start + m > self.max_cache:
             raise ConfigError(f"sequence length: {start + m} rows exceed the head's cache of {self.max_cache}; "
                               "call setup_caches with a larger max_seq_len")
-        x = self._fuse(tokens, feats)  # [B, M, E]
-        cos, sin = _rope(self.cfg, start, start + m, x.device, x.dtype)  # [M, 1, D]
         mask = None
         if m > 1 and start > 0:
-            mask = torch.ones(m, start + m, dtype=torch.bool, device=x.device).tril(start)  # [M, start+M]
-        return self._blocks(x, cos, sin, mask, start)
+            mask = torch.ones(m, start + m, dtype=torch.bool, device=feats.device).tril(start)  # [M, start+M]
+        return self._step(tokens, feats, start, mask, start)
 
     def _fuse(self, tokens: Tensor, feats: Tensor) -> Tensor:
         """tokens [B, M], feats [B, M, E] (f_p, or the head's own prediction of it) or the base's
@@ -243,11 +299,16 @@ class EagleHead(nn.Module):
         e = self.cfg.dim
         if feats.shape[-1] == e:
             return feats
-        n = len(self.cfg.feature_layers)
-        check(feats.shape[-1] == (n + 1) * e, "features", f"have width {feats.shape[-1]}, the head reads "
-              f"{n + 1} layers of {e}", "compute features with the base bound to this head (EagleHead.bind)")
+        n = self._check_width(feats)
         other = torch.cat([norm(feats[..., i * e:(i + 1) * e]) for i, norm in enumerate(self.lnorms)], dim=-1)
         return feats[..., -e:] + self.ffuse(other.to(feats.dtype))
+
+    def _check_width(self, feats: Tensor) -> int:
+        """n = len(feature_layers), once base features [..., (n+1) E] are checked to be that wide."""
+        e, n = self.cfg.dim, len(self.cfg.feature_layers)
+        check(feats.shape[-1] == (n + 1) * e, "features", f"have width {feats.shape[-1]}, the head reads "
+              f"{n + 1} layers of {e}", "compute features with the base bound to this head (EagleHead.bind)")
+        return n
 
     def unroll(self, tokens: Tensor, feats: Tensor, steps: int) -> list[Tensor]:
         """Training-time test (EAGLE-3): the head drafts `steps` tokens ahead of every position at
@@ -270,10 +331,8 @@ class EagleHead(nn.Module):
             for j in range(1, steps + 1):
                 toks = tokens[:, j:j + n]  # [B, <=n] x_{p+j}
                 toks = torch.cat((toks, toks.new_zeros(b, n - toks.shape[1])), dim=1)  # [B, n]
-                x = self._fuse(toks, f)  # [B, n, E]
-                cos, sin = _rope(self.cfg, j - 1, j - 1 + n, dev, x.dtype)  # positions p+j-1
                 mask = torch.cat([causal] + [own] * (j - 1), dim=1)  # [n, j*n]
-                f = self._blocks(x, cos, sin, mask, 0)
+                f = self._step(toks, f, j - 1, mask, 0)  # positions p+j-1
                 outs.append(f)
         finally:
             self._set_caches(_NoCache)
@@ -287,21 +346,29 @@ class EagleHead(nn.Module):
         self.d2t.copy_(ids)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Predicted features [..., E] (or base features [..., (n+1) E], of which the last layer counts) ->
-        logits [..., N] through the base's frozen norm and LM head (N = V, or the draft vocabulary's rows)."""
+        """The head's outputs [..., E] -> draft logits [..., N] (N = V, or the draft vocabulary's rows):
+        here through the base's frozen norm and LM head (`base_logits`)."""
+        return self.base_logits(hidden)
+
+    def base_logits(self, hidden: Tensor) -> Tensor:
+        """Features [..., E] (or base features [..., (n+1) E], of which the last layer counts) -> the base's
+        logits over the draft vocabulary [..., N], through its final norm and LM head (rows d2t)."""
         h = self.base.norm(hidden[..., -self.cfg.dim:])
         out = self.base.output
-        plain = isinstance(getattr(out, "weight", None), Tensor)  # not a quantized linear
-        if self.d2t is None and plain and out.weight.dtype == h.dtype:
+        if self.d2t is None and _plain(out) and out.weight.dtype == h.dtype:
             return out(h)
         key = (id(out), h.dtype, h.device, None if self.d2t is None else (self.d2t.data_ptr(), self.d2t._version))
         if key not in self._draft_head:  # build the rows once per dtype, not per call
-            w = out.weight if plain else out.dequantized_weight(h.dtype)
-            rows = w if self.d2t is None else w[self.d2t]  # [N, E]
             if len(self._draft_head) >= 4:
                 self._draft_head.clear()
-            self._draft_head[key] = rows.to(h.dtype).contiguous()
+            self._draft_head[key] = self._base_rows(h.dtype).to(h.device).contiguous()
         return torch.nn.functional.linear(h, self._draft_head[key])
+
+    def _base_rows(self, dtype: torch.dtype) -> Tensor:
+        """The base LM head's rows of the draft vocabulary [N, E] in `dtype` (a quantized head: dequantized)."""
+        out = self.base.output
+        w = out.weight if _plain(out) else out.dequantized_weight(dtype)
+        return (w if self.d2t is None else w[self.d2t]).to(dtype)
 
     def to_full(self, probs: Tensor) -> Tensor:
         """Draft-vocabulary probabilities [..., N] -> full-vocabulary [..., V] (zero elsewhere)."""
@@ -309,6 +376,106 @@ class EagleHead(nn.Module):
             return probs
         full = probs.new_zeros(*probs.shape[:-1], self.cfg.vocab_size)
         return full.index_copy_(-1, self.d2t, probs)
+
+
+def _plain(linear) -> bool:
+    """A plain nn.Linear (not a quantized linear)."""
+    return isinstance(getattr(linear, "weight", None), Tensor)
+
+
+def _base_param(module: nn.Module, name: str) -> Tensor:
+    """module's parameter `name` (dotted); a quantized linear's weight dequantized to fp32."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = module.get_submodule(mod_name)
+    w = getattr(mod, attr, None)
+    return w if isinstance(w, Tensor) else mod.dequantized_weight(torch.float32)
+
+
+class Eagle3Layer(nn.Module):
+    """vLLM's eagle3 decoder layer (llama_eagle3.LlamaDecoderLayer, layer 0, norm_before_residual false):
+    attention over [attention_norm(emb); hidden_norm(h)], residual h, then ffn_norm and the gated MLP.
+    Names: attention_norm = input_layernorm, ffn_norm = post_attention_layernorm (speculators_format)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args, in_dim=2 * args.dim)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                start: int) -> Tensor:
+        """emb, hidden [B, M, E] -> the layer's output [B, M, E] (before any norm)."""
+        x = torch.cat((self.attention_norm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, M, 2E]
+        h = self.attention(x, cos, sin, mask, start) + hidden
+        return self.feed_forward(self.ffn_norm(h)) + h
+
+
+class Eagle3Head(EagleHead):
+    """The EAGLE-3 head (module docstring): fc (nE -> E) over the base layers `feature_layers`, one
+    Eagle3Layer, its own final norm and LM head over the draft vocabulary; the base's embedding is shared."""
+
+    ARCH = "eagle3"
+
+    def _build(self, cfg: DrafterConfig) -> None:
+        n = len(cfg.feature_layers)
+        self.fc = nn.Linear(n * cfg.dim, cfg.dim, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg.block_args())])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
+        self.lm_head.requires_grad_(False)  # the base's rows, frozen (init_output_from_base)
+
+    @torch.no_grad()
+    def init_from_base(self, base: Transformer) -> "Eagle3Head":
+        """Start as the base layer L after the highest fused one (L's input is that layer's output): fc
+        passes that layer's output on, the layer's hidden half, norms and MLP are L's, and the embedding half
+        of q/k/v starts at zero. At step 1 the head then computes L's output exactly."""
+        e, n = self.cfg.dim, len(self.cfg.feature_layers)
+        self.fc.weight.zero_()
+        self.fc.weight[:, (n - 1) * e:].copy_(torch.eye(e))
+        src = base.layers[self.cfg.feature_layers[-1] + 1]
+        layer = self.layers[0]
+        for name, p in layer.named_parameters():
+            if name == "hidden_norm.weight":
+                p.copy_(_base_param(src, "attention_norm.weight").to(p.dtype))
+            elif name == "attention.wqkv.weight":
+                p.zero_()
+                p[:, e:].copy_(_base_param(src, name).to(p.dtype))
+            else:
+                p.copy_(_base_param(src, name).to(p.dtype))
+        layer.attention_norm.weight.fill_(1.0)
+        return self
+
+    @torch.no_grad()
+    def init_output_from_base(self, base: Transformer) -> "Eagle3Head":
+        """The final norm is the base's, the LM head the base's rows of the draft vocabulary (call after
+        set_draft_vocab)."""
+        self.bind(base)
+        self.norm.weight.copy_(base.norm.weight.to(self.norm.weight.dtype))
+        self.lm_head.weight.copy_(self._base_rows(torch.float32).to(self.lm_head.weight.dtype))
+        return self
+
+    def _step(self, tokens: Tensor, feats: Tensor, pos: int, mask: Tensor | None, start: int) -> Tensor:
+        """tokens [B, M]; feats: the base's [B, M, (n+1) E] (n fused layers, then the last, unread), or the
+        head's own outputs [B, M, E] (later draft steps) -> outputs [B, M, E]."""
+        e = self.cfg.dim
+        hidden = feats if feats.shape[-1] == e else self.fc(feats[..., :self._check_width(feats) * e])  # [B, M, E]
+        emb = self.base.tok_embeddings(tokens).to(hidden.dtype)  # [B, M, E]
+        cos, sin = _rope(self.cfg, pos, pos + hidden.shape[1], hidden.device, hidden.dtype)  # [M, 1, D]
+        return self.layers[0](emb, hidden, cos, sin, mask, start)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The head's outputs [..., E] -> draft logits [..., N] through its own norm and LM head."""
+        return self.lm_head(self.norm(hidden))
+
+
+HEADS = {cls.ARCH: cls for cls in (EagleHead, Eagle3Head)}
+
+
+def make_head(cfg: DrafterConfig) -> EagleHead:
+    """A new head of cfg.arch."""
+    return HEADS[cfg.arch](cfg)
 
 
 def frequent_tokens(samples, n: int, vocab_size: int) -> Tensor:
@@ -341,14 +508,20 @@ def load_head(path: str | Path, base: Transformer | None = None) -> EagleHead:
     if "drafter_config" not in meta:
         raise ConfigError(f"drafter: {p} has no drafter_config metadata; it is not a polybasic drafter head")
     cfg = DrafterConfig.from_dict(json.loads(meta["drafter_config"]))
-    with torch.device("meta"):
-        head = EagleHead(cfg)
     try:
         stored = load_file(str(p))
     except SafetensorError as e:
         raise corrupt_safetensors(p, FIX_HEAD, e) from None
     sd = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v  # heads saved before n_layers
           for k, v in stored.items()}
+    return head_from_state_dict(cfg, sd, base)
+
+
+def head_from_state_dict(cfg: DrafterConfig, sd: dict[str, Tensor], base: Transformer | None = None) -> EagleHead:
+    """A head of `cfg` holding the tensors `sd` (every one, no copy), ready to draft: bound to `base` and
+    in its dtype and device when given."""
+    with torch.device("meta"):
+        head = make_head(cfg)
     head.load_state_dict(sd, strict=True, assign=True)
     head.drop_caches()
     if base is not None:

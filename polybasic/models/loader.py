@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from polybasic.artifacts import atomic_path, clean_partials
+from polybasic.artifacts import atomic_path, clean_partials, write_text
 from polybasic.config import DTYPE_NAMES
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError
 from polybasic.models.args import ModelArgs
@@ -63,6 +63,7 @@ def _convert_gguf(gguf: Path, key: str) -> Path:
     """GGUF -> HF folder in the cache, once. Returns the folder."""
     folder = cache_root() / "models" / key
     if (folder / "config.json").is_file():
+        _add_architectures(folder)  # folders converted before `architectures` was written
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,6 +84,8 @@ def _convert_gguf(gguf: Path, key: str) -> Path:
         # fp32 already, so write the config and the tensors ourselves.
         cfg = hf.config.to_dict()
         cfg.pop("quantization_config", None)
+        # serving engines (vLLM) pick the model class from `architectures`; the GGUF config has none
+        cfg["architectures"] = cfg.get("architectures") or [type(hf).__name__]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tied = bool(cfg.get("tie_word_embeddings"))
         sd = {k: v.contiguous() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
@@ -91,6 +94,20 @@ def _convert_gguf(gguf: Path, key: str) -> Path:
         (tmp / "polybasic_source.json").write_text(json.dumps({"gguf": str(gguf)}))
     log.info("converted in %.1f s -> %s", time.perf_counter() - t0, folder)
     return folder
+
+
+def _add_architectures(folder: Path) -> None:
+    """Set `architectures` in a converted folder's config.json where it is missing (serving engines
+    such as vLLM refuse a config without it): the causal-LM class transformers maps its model_type to."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("architectures"):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""))
+    if arch:
+        write_text(path, json.dumps({**cfg, "architectures": [arch]}, indent=2))
 
 
 def resolve_hf_folder(source: str) -> Path:

@@ -52,6 +52,18 @@ def safetensors_header(path: str | Path, fix: str) -> dict:
     return header
 
 
+def read_json(path: str | Path, where: str, missing_fix: str, bad_fix: str):
+    """The JSON value in `path`. ModelNotFoundError "<where>: <folder> has no <name>; <missing_fix>" when the
+    file is missing, CorruptFileError "<where>: <path> is not valid JSON (...); <bad_fix>" when it does not parse."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"{where}: {path.parent} has no {path.name}; {missing_fix}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(f"{where}: {path} is not valid JSON ({e}); {bad_fix}") from None
+
+
 def safetensors_metadata(path: str | Path, fix: str) -> dict[str, str]:
     """The string metadata of a checked safetensors file."""
     return safetensors_header(path, fix).get("__metadata__") or {}

@@ -107,13 +107,14 @@ def _shard_dir(folder: Path, lm, sec: DistillSection) -> Path:
     return folder
 
 
-def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Path,
+def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Path, layers: list[int],
                    progress: bool = False) -> list[Sample]:
-    """Samples carrying the base's features, from cached shards (computed once, shard by shard)."""
+    """Samples carrying the base's features (the outputs of `layers`, then the last layer's), from cached
+    shards (computed once, shard by shard)."""
     folder.mkdir(parents=True, exist_ok=True)
-    base.use_feature_layers(sec.feature_layers)  # what the head reads (EagleHead.bind sets the same)
+    base.use_feature_layers(layers)  # what the head reads (EagleHead.bind sets the same)
     model = _as_dtype(base, sec.feature_dtype)
-    key = {"feature_dtype": str(parse_dtype(sec.feature_dtype)), "feature_layers": list(sec.feature_layers)}
+    key = {"feature_dtype": str(parse_dtype(sec.feature_dtype)), "feature_layers": list(layers)}
     meta = folder / "inputs.json"
     made = {"feature_dtype": "torch.bfloat16", "feature_layers": []}  # what older runs made
     made.update(json.loads(meta.read_text()) if meta.is_file() else {})
@@ -164,17 +165,18 @@ def run_distill(lm, sec: DistillSection, out: str | Path, progress: bool = False
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     clean_and_announce(out)
-    lm.model.use_feature_layers(sec.feature_layers)  # layers past the model's: ConfigError before any work
+    head_cfg = DrafterConfig.for_base(lm.args, arch=sec.head_arch, draft_vocab_size=sec.draft_vocab_size,
+                                      n_layers=sec.head_layers, feature_residual=sec.feature_residual,
+                                      feature_layers=sec.feature_layers)
+    lm.model.use_feature_layers(head_cfg.feature_layers)  # layers past the model's: ConfigError before any work
     samples = _samples(lm, sec, out, progress)
     if not samples:
         raise ConfigError(f"distill.data: {sec.data} gave no training sequences; pass a file with prompts")
-    head_cfg = DrafterConfig.for_base(lm.args, draft_vocab_size=sec.draft_vocab_size, n_layers=sec.head_layers,
-                                      feature_residual=sec.feature_residual, feature_layers=sec.feature_layers)
     modules = {}
     for name in sec.drafters:
         base = _base_for(name, lm, sec, Path(run_dir or out.parent))
         data = samples if sec.features == "online" else _with_features(base, samples, sec, out / name / "features",
-                                                                       progress)
+                                                                       head_cfg.feature_layers, progress)
         modules[name] = fit(base, DistillDataset(data, sec.train.max_len), head_cfg, sec.train, out / name,
                             ctx=execution, **trainer_overrides)
     return modules

@@ -1,16 +1,18 @@
 """The `export` stage: the plan's best chain as a bundle folder (runtime.bundle), with the profile and
-plan it came from, the machine it was measured on and the resolved recipe."""
+plan it came from, the machine it was measured on and the resolved recipe. `polybasic export RECIPE
+--format speculators` (run_speculators) writes the target's eagle3 head alone, in the speculators
+format that vLLM serves."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from polybasic.bench.report import machine_info
-from polybasic.config import to_dict
+from polybasic.config import load_recipe, to_dict
 from polybasic.models.loader import load_tokenizer, resolve_hf_folder
 from polybasic.pipelines.profile import chain_spelling
 from polybasic.pipelines.run import require
-from polybasic.runtime.bundle import Decoding, export_bundle
+from polybasic.runtime.bundle import SPECULATORS, Decoding, export_bundle, export_speculators
 from polybasic.runtime.chainspec import parse_chain_spec
 
 
@@ -46,3 +48,19 @@ def run_stage(ctx) -> list[Path]:
                   level_tokenizers=toks)
     print(f"wrote {folder} (chain {best['spec']}, predicted {best['speedup']:.2f}x)")
     return [folder / "manifest.json"]
+
+
+HEAD = "distill/target/head.safetensors"  # the distill stage's head for the recipe's model
+
+
+def run_speculators(recipe_path: str | Path, out_dir: str | Path | None = None,
+                    overrides: tuple[str, ...] = ()) -> Path:
+    """The target's head (distill/target/head.safetensors, an eagle3 head) as <out>/speculators: the
+    folder vLLM serves with speculative_config {"method": "eagle3", "model": it}; k: profile.k."""
+    recipe = load_recipe(recipe_path, overrides)
+    out = Path(out_dir or recipe.out_dir)
+    require(out, HEAD, "distill", set(), "export --format speculators")
+    folder = export_speculators(out / SPECULATORS, out / HEAD, recipe.model.source, recipe.profile.k)
+    spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": recipe.profile.k}
+    print(f"wrote {folder}; serve it: vllm serve TARGET --speculative-config '{json.dumps(spec)}'")
+    return folder

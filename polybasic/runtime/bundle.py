@@ -6,6 +6,8 @@ A bundle folder holds:
                   with its sha256; k, thresholds and sampling defaults; the profile and plan it came
                   from; the machine it was measured on; the polybasic version
   levels/         level weights (safetensors): quantized copies, drafter heads
+  speculators/    when the level right under the target is an eagle3 head: that head in the speculators
+                  format (config.json, model.safetensors), which vLLM serves as the target's eagle3 drafter
   README.md       a model card in Hugging Face conventions
   recipe.yaml     the resolved recipe, when a recipe exported it
 
@@ -28,10 +30,12 @@ from polybasic import __version__
 from polybasic.artifacts import atomic_path
 from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError, check
-from polybasic.models.loader import load_model, load_tokenizer, resolve_hf_folder
-from polybasic.models.preflight import HEAD_CONFIG_KEY, check_source, safetensors_metadata, source_kind
+from polybasic.models.eagle_head import load_head
+from polybasic.models.loader import folder_and_args, load_model, load_tokenizer, resolve_hf_folder
+from polybasic.models.preflight import HEAD_CONFIG_KEY, check_source, read_json, safetensors_metadata, source_kind
 from polybasic.models.registry import REGISTRY, gguf_path
 from polybasic.models.registry import sha256_file as _sha
+from polybasic.models.speculators_format import save_speculators
 from polybasic.runtime.chain import Chain, check_k
 from polybasic.runtime.chain_builder import build_chain
 from polybasic.runtime.chainspec import LEVEL_KINDS, ChainSpec, check_chain_files, named
@@ -45,6 +49,7 @@ FORMAT = "polybasic-chain-bundle"
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 FILE_LEVEL_KINDS = ("quantized", "eagle")  # levels whose weights travel in the bundle
+SPECULATORS = "speculators"  # the bundle's folder of the target's eagle3 head for vLLM
 REFERENCE_LEVEL_KINDS = ("model",)  # levels that are other models, by reference like the target
 
 
@@ -143,6 +148,24 @@ def _level_config(kind: str, path: Path) -> dict:
 
 
 # -- export ---------------------------------------------------------------------------------------
+def export_speculators(folder: str | Path, head_path: str | Path, target_source: str, k: int) -> Path:
+    """An eagle3 head file written as a speculators folder that vLLM serves on `target_source` (checked
+    against the target's config, no weights load). The verifier it names: the target's Hub id, or the
+    local HF folder polybasic resolves it to."""
+    hf_folder, args = folder_and_args(target_source)
+    verifier = target_source if source_kind(target_source) == "hub" else str(hf_folder)
+    return save_speculators(load_head(head_path), folder, verifier, k=k, target=args)
+
+
+def _eagle3_on_target(chain: ChainSpec, files: dict[str, dict]) -> str | None:
+    """The bundle path of the level right under the target when it is an eagle3 head (else None)."""
+    first = chain.levels[0] if chain.levels else None
+    if first is None or first.kind != "eagle":
+        return None
+    arch = files[first.path]["config"]["drafter_config"].get("arch", "eagle1")
+    return first.path if arch == "eagle3" else None
+
+
 def export_bundle(folder: str | Path, target_source: str, target_dtype: str, chain: ChainSpec,
                   decoding: Decoding, tokenizer, *, profile: dict | None = None, plan: dict | None = None,
                   recipe_yaml: str | None = None, machine: dict | None = None,
@@ -171,6 +194,11 @@ def export_bundle(folder: str | Path, target_source: str, target_dtype: str, cha
                                       "in level_tokenizers")
                 refs[lv.name] = _model_ref(lv.source, lv.dtype, tok)
             levels.append(lv)
+        if head := _eagle3_on_target(ChainSpec(tuple(levels)), files):
+            written = export_speculators(tmp / SPECULATORS, tmp / head, target_source, decoding.k)
+            for f in sorted(written.iterdir()):
+                files[f"{SPECULATORS}/{f.name}"] = {"sha256": sha256_file(f), "bytes": f.stat().st_size,
+                                                    "serves": f"the target's eagle3 drafter in vLLM ({head})"}
         manifest = Manifest(target=target, chain=ChainSpec(tuple(levels)), decoding=decoding, files=files,
                             references=refs, profile=profile, plan=plan, machine=machine or {},
                             recipe="recipe.yaml" if recipe_yaml is not None else None,
@@ -190,15 +218,9 @@ def export_bundle(folder: str | Path, target_source: str, target_dtype: str, cha
 # -- check and load -------------------------------------------------------------------------------
 def read_manifest(folder: str | Path) -> Manifest:
     """The manifest of a bundle folder, its schema and level kinds checked (no other file read)."""
-    folder = Path(folder)
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise ModelNotFoundError(f"bundle: {folder} has no {MANIFEST}; pass a folder written by "
-                                 "`polybasic export` (or `polybasic run`)")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptFileError(f"bundle: {path} is not valid JSON ({e}); export the bundle again") from None
+    path = Path(folder) / MANIFEST
+    d = read_json(path, "bundle", "pass a folder written by `polybasic export` (or `polybasic run`)",
+                  "export the bundle again")
     where = f"bundle: {path}"
     check(isinstance(d, dict) and d.get("format") == FORMAT, where, f"is not a polybasic chain bundle "
           f"manifest (format {d.get('format') if isinstance(d, dict) else None!r})", f"expected format '{FORMAT}'")

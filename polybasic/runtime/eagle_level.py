@@ -1,7 +1,8 @@
 """EagleLevel: a chain's bottom level that drafts with an EAGLE head on its base level's features.
 
-Head row p reads (x_{p+1}, f_p). The exact features f_p come from the base level's last score()
-forward (`base.hidden`, `base.hidden_start`), collected into a per-position store. Positions the base
+Head row p reads (x_{p+1}, f_p) (an eagle3 head: the base layers it fuses at p, or for a drafted
+row its own output at p-1, as vLLM's eagle3 drafter feeds it). The exact features f_p come from the
+base level's last score() forward (`base.hidden`, `base.hidden_start`), collected into a per-position store. Positions the base
 has not computed (tokens the levels above added, e.g. a correction from the target) fall back to
 the head's own prediction of that feature, as EAGLE does for the tokens it drafts. Before any base
 forward (the first round of a generation) the level asks the base to score the prompt: that is the
@@ -95,7 +96,7 @@ class EagleLevel(Level):
             self.keys = want
             probs = self._probs(self.hout[n - 2], sampling)  # [V]
         else:  # one-token context: no head row yet; the base's own distribution from f_0
-            probs = self._probs(self.feats[0], sampling)
+            probs = self.head.to_full(probs_from_logits(self.head.base_logits(self.feats[0]), sampling))
         tokens: list[int] = []
         rows: list[Tensor] = []
         for i in range(k):

@@ -41,6 +41,21 @@ def _figures(m) -> list[str]:
     return out or ["- No profile was recorded in this bundle."]
 
 
+def _serving(m) -> list[str]:
+    """How to serve the target with the bundle's eagle3 head in vLLM, when the bundle has its speculators folder."""
+    if not any(k.startswith("speculators/") for k in m.files):
+        return []
+    spec = json.dumps({"method": "eagle3", "model": "THIS_FOLDER/speculators",
+                       "num_speculative_tokens": m.decoding.k})
+    source = m.target.get("source", "")
+    target = source if source.count("/") == 1 else "TARGET_HF_FOLDER"
+    return ["## Serve with vLLM", "", "The level right under the target is an EAGLE-3 head, also stored in the "
+            "speculators format in `speculators/`: vLLM serves it as the target's drafter (that link only; "
+            "longer chains run in polybasic). The target's folder: `speculators_config.verifier.name_or_path` "
+            "in `speculators/config.json`.", "", "```bash",
+            f"vllm serve {target} --speculative-config '{spec}'", "```", ""]
+
+
 def render_model_card(m) -> str:
     """Markdown text of the card for a bundle.Manifest."""
     d = m.decoding
@@ -59,6 +74,6 @@ def render_model_card(m) -> str:
              "print(dec.stats.tau, dec.stats.tokens_per_s)", "```", "", "```bash",
              "polybasic generate --bundle THIS_FOLDER_OR_HUB_ID --prompt \"Name three rivers in Europe.\"",
              "polybasic bench --bundle THIS_FOLDER_OR_HUB_ID --per-category 2   # predicted vs measured speedup",
-             "```", "", "## Measured", "", *_figures(m), "",
+             "```", "", *_serving(m), "## Measured", "", *_figures(m), "",
              f"Written by polybasic {m.polybasic_version} on {m.created} (bundle schema {m.schema_version}).", ""]
     return "\n".join(lines)

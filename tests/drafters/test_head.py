@@ -3,35 +3,43 @@ its own weights; brief training improves it on held-out answers."""
 import pytest
 import torch
 
-from polybasic.models.eagle_head import DrafterConfig, EagleHead
+from polybasic.models.eagle_head import DrafterConfig, make_head
 from tests.helpers import lean_from_hf, tiny_hf_llama
 
+HEADS = [{"n_layers": 1}, {"n_layers": 2}, {"arch": "eagle3", "feature_layers": [0], "draft_vocab_size": 16}]
+OWN = {"eagle1": {"fc", "layers", "enorm", "fnorm"}, "eagle3": {"fc", "layers", "norm", "lm_head", "d2t"}}
 
-@pytest.mark.parametrize("n_layers", [1, 2])
-def test_incremental_equals_full(n_layers):
-    base = lean_from_hf(tiny_hf_llama(seed=1, vocab=64, init_std=0.2))
+
+def _head(base, kw):
+    """A head of kw, and the width of the base features it reads first."""
     torch.manual_seed(0)
-    head = EagleHead(DrafterConfig.for_base(base.args, n_layers=n_layers)).bind(base).eval()
+    head = make_head(DrafterConfig.for_base(base.args, **kw)).bind(base).eval()
+    return head, base.args.dim * (1 + len(head.cfg.feature_layers))
+
+
+@pytest.mark.parametrize("kw", HEADS)
+def test_incremental_equals_full(kw):
+    base = lean_from_hf(tiny_hf_llama(seed=1, vocab=64, init_std=0.2))
+    head, width = _head(base, kw)
     tokens = torch.randint(0, 64, (1, 9))
-    feats = torch.randn(1, 9, base.args.dim)
+    feats = torch.randn(1, 9, width)
     with torch.no_grad():
         full = head(tokens, feats, 0)  # [1, 9, E]
         head.setup_caches(16)
         parts = [head(tokens[:, :4], feats[:, :4], 0), head(tokens[:, 4:5], feats[:, 4:5], 4),
                  head(tokens[:, 5:], feats[:, 5:], 5)]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
-    assert {k.split(".")[0] for k in head.state_dict()} == {"fc", "layers", "enorm", "fnorm"}  # no base weights
+    assert {k.split(".")[0] for k in head.state_dict()} == OWN[head.cfg.arch]  # no base weights
 
 
-@pytest.mark.parametrize("n_layers", [1, 2])
-def test_unroll_equals_the_drafting_loop(n_layers):
+@pytest.mark.parametrize("kw", HEADS)
+def test_unroll_equals_the_drafting_loop(kw):
     """Training-time test sees what drafting sees: step j of `unroll` for anchor p equals the cached
     head fed rows 0..p with exact features, then j-1 rows of its own predictions."""
     base = lean_from_hf(tiny_hf_llama(seed=1, vocab=64, init_std=0.2))
-    torch.manual_seed(0)
-    head = EagleHead(DrafterConfig.for_base(base.args, n_layers=n_layers)).bind(base).eval()
+    head, width = _head(base, kw)
     tokens = torch.randint(0, 64, (1, 10))  # x_0..x_9
-    feats = torch.randn(1, 9, base.args.dim)  # f_0..f_8
+    feats = torch.randn(1, 9, width)  # f_0..f_8
     with torch.no_grad():
         steps = head.unroll(tokens, feats, 3)  # 3 x [1, 9, E]
         for p in (0, 3, 6):

@@ -41,10 +41,11 @@ def test_greedy_three_level_chain_head_on_middle():
     assert out == ref
 
 
-def check_sampled_chain(head_for, seed: int, device: str = "cpu") -> None:
+def check_sampled_chain(head_for, seed: int, device: str = "cpu", **model_kw) -> None:
     """target + EagleLevel(head_for(target)) samples match the target's distribution (chi-square);
-    the target and its head on `device` (the exact distributions are computed on the CPU)."""
-    hf = tiny_hf_llama(seed=10, **KW)
+    the target (KW, updated by model_kw) and its head on `device` (the exact distributions are computed
+    on the CPU)."""
+    hf = tiny_hf_llama(seed=10, **{**KW, **model_kw})
     target = lean_from_hf(hf).to(device)
     sampling = SamplingConfig(temperature=1.0)
     p1, joint = exact_joint(hf, sampling)
