@@ -109,7 +109,7 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-setup: $(VLLM_STAMP)
 
-# the vllm tests (~5 min), then the acceptance run: the EAGLE-3 head recipe (distill only), its
+# the vllm tests (6-9 min on 2 cores), then the acceptance run: the EAGLE-3 head recipe (distill only), its
 # speculators export, and serve-check on the 13 Spec-Bench prompts (one per category), vanilla and
 # eagle3, vLLM beside our runtime; writes $(VLLM_CHECK)/{summary.json, report.md, vLLM's logs};
 # fails when a check fails (identity with vLLM's vanilla, acceptance within 10% of our tau)

@@ -25,3 +25,7 @@ class DataNotFoundError(PolybasicError, FileNotFoundError):
 
 class CorruptFileError(PolybasicError, ValueError):
     """A file that exists but cannot be read: damaged, truncated or of another format."""
+
+
+class EngineError(PolybasicError, RuntimeError):
+    """An external engine polybasic drives (vLLM in serve-check) failed or timed out; names its log."""

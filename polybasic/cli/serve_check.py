@@ -9,7 +9,8 @@ from polybasic.serving.compare import NEAR_TIE
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "serve-check", help="vLLM serving a bundle's target + EAGLE-3 head beside our runtime (identity, tau, tokens/s)",
+        "serve-check",
+        help="vLLM serving a bundle's target + EAGLE-3 head beside our runtime (identity, tau, tokens/s)",
         description="Run vLLM (in the virtual environment `make vllm-check` creates, .venv-vllm) on the same "
                     "Spec-Bench prompts as our bench, vanilla and with the bundle's EAGLE-3 head exported in the "
                     "speculators format (speculative_config method eagle3), one request at a time, greedy; run "

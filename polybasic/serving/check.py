@@ -8,7 +8,7 @@ template; vLLM is handed ids, never text):
    k, interleaved as `polybasic bench` runs methods: greedy tokens, tokens/s, tau;
 2. vLLM, twice, each in a subprocess of the vLLM virtual environment's python (`make vllm-check` makes
    `.venv-vllm`; polybasic.serving.vllm_run): vanilla, then `speculative_config={"method": "eagle3",
-   "model": SPECULATORS_DIR, "num_speculative_tokens": k}`: tokens, tokens/s, vLLM's spec-decode counters;
+   "model": BUNDLE/speculators, "num_speculative_tokens": k}`: tokens, tokens/s, vLLM's spec-decode counters;
 3. token-for-token identity of every pair, and at each first difference the logits of our target
    there: a near-tie shows as a small gap between the two tokens' logits.
 
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -35,7 +36,7 @@ from polybasic.bench.questions import load_questions, select
 from polybasic.bench.report import machine_info
 from polybasic.bench.runner import run_all, summarize
 from polybasic.config import SamplingConfig
-from polybasic.errors import ConfigError, ModelNotFoundError, check
+from polybasic.errors import ConfigError, EngineError, ModelNotFoundError, check
 from polybasic.models.eagle_head import load_head
 from polybasic.models.loader import load_model, resolve_hf_folder
 from polybasic.models.preflight import check_source, safetensors_header
@@ -211,32 +212,39 @@ def worker_env(threads: int, vllm_python: Path, preload: bool = True) -> dict:
         libs = [p for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
                             vllm_python.parent.parent / "lib" / "libiomp5.so") if p.is_file()]
         if libs:
-            env["LD_PRELOAD"] = ":".join([str(p) for p in libs] + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+            env["LD_PRELOAD"] = ":".join([str(p) for p in libs] + [x for x in [env.get("LD_PRELOAD")] if x])
     return env
 
 
 def run_vllm(plan: Plan, name: str, request: dict, threads: int, timeout: float, preload: bool = True) -> dict:
-    """One vLLM run in the vLLM python's subprocess; its log goes to OUT/NAME.log."""
+    """One vLLM run in the vLLM python's subprocess (its own process group: a timeout ends vLLM's engine
+    and worker processes too); its log goes to OUT/NAME.log."""
     plan.out.mkdir(parents=True, exist_ok=True)
     req, res, log = (plan.out / f"{name}.request.json", plan.out / f"{name}.result.json", plan.out / f"{name}.log")
     write_json(req, request)
     res.unlink(missing_ok=True)
     cmd = [str(plan.vllm_python), "-m", WORKER, str(req), str(res)]
+    env = worker_env(threads, plan.vllm_python, preload)
     print(f"[serve-check: {name}: {shlex.join(cmd)} (log: {log})]", file=sys.stderr)
     t0 = time.perf_counter()
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                env=worker_env(threads, plan.vllm_python, preload)).returncode
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"timeout: vLLM's {name} run took more than {timeout:.0f} s (see {log}); pass a "
-                              "larger --timeout, fewer prompts or --enforce-eager") from None
+            rc = proc.wait(timeout=timeout)
+        except BaseException as e:  # a timeout, or Ctrl-C here: vLLM's processes go too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise EngineError(f"timeout: vLLM's {name} run took more than {timeout:.0f} s (see {log}); pass "
+                                  "a larger --timeout, fewer prompts or --enforce-eager") from None
+            raise
     if rc != 0 or not res.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         hint = (f"; {FIX_VLLM}" if "No module named" in tail else "")
-        raise ConfigError(f"vllm: the {name} run failed (exit {rc}; the end of {log} follows){hint}\n{tail}")
+        raise EngineError(f"vllm: the {name} run failed (exit {rc}; the end of {log} follows){hint}\n{tail}")
     out = json.loads(res.read_text())
     out["process_s"] = time.perf_counter() - t0
+    out["env"] = {k: env[k] for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD") if k in env}
     return out
 
 
@@ -344,7 +352,8 @@ def run_serve_check(a: argparse.Namespace) -> int:
                   our_spec=our_counters(runs[OURS_CHAIN]) if OURS_CHAIN in runs else None,
                   gaps=gaps, near_tie=NEAR_TIE if a.near_tie is None else a.near_tie, machine=machine,
                   config={"target": plan.target, "hf_folder": str(plan.hf_folder), "dtype": plan.dtype,
-                          "speculators": str(plan.speculators), "head": str(plan.head or plan.speculators) if head is not None else None,
+                          "speculators": str(plan.speculators),
+                          "head": str(plan.head or plan.speculators) if head is not None else None,
                           "our_chain_skipped": no_chain,
                           "bundle": a.bundle, "max_new_tokens": a.max_new_tokens, "threads": threads,
                           "warmup": a.warmup, "enforce_eager": a.enforce_eager,
@@ -352,7 +361,8 @@ def run_serve_check(a: argparse.Namespace) -> int:
                           "questions": a.questions, "per_category": a.per_category},
                   vllm_info={"version": spec.get("vllm_version"), "load_s": {VLLM: vanilla["load_s"],
                                                                             VLLM_SPEC: spec["load_s"]},
-                             "process_s": {VLLM: vanilla["process_s"], VLLM_SPEC: spec["process_s"]}})
+                             "process_s": {VLLM: vanilla["process_s"], VLLM_SPEC: spec["process_s"]},
+                             "env": spec["env"]})
     write_json(plan.out / "summary.json", doc, indent=2)
     write_text(plan.out / "report.md", markdown(doc))
     print(markdown(doc))

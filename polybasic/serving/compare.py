@@ -70,7 +70,8 @@ def identical_counts(outputs: dict[str, list[list[int]]]) -> dict[str, int]:
 
 
 def summary(prompts: Sequence[dict], runs: dict[str, list[dict]], *, k: int, vllm_spec: dict | None,
-            our_tau: float | None, our_accept_len: float | None, our_spec: dict | None = None, gaps: Sequence[dict] = (),
+            our_tau: float | None, our_accept_len: float | None, our_spec: dict | None = None,
+            gaps: Sequence[dict] = (),
             near_tie: float = NEAR_TIE, config: dict | None = None, machine: dict | None = None,
             vllm_info: dict | None = None) -> dict:
     """The JSON summary. prompts: [{question_id, category, prompt_tokens}]; runs: {run key: per-prompt

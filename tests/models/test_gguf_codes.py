@@ -3,6 +3,8 @@ in fused linears (also across block types) and a weight that differs is refused,
 steps that read the codes match eager, and a tiny Qwen2 GGUF with k-quant tensors loads."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -212,6 +214,8 @@ def test_tiny_qwen2_gguf_with_k_quants_loads_and_steps_read_its_codes(tmp_path, 
     ref = load_hf_model(str(tmp_path / "tiny-qwen2.gguf"))
     assert (lm.args.family, lm.args.qkv_bias, lm.args.rope_theta) == ("qwen2", True, 1e6)
     assert lm.gguf_file == tmp_path / "tiny-qwen2.gguf"
+    # serving engines (vLLM) pick the model class from the converted folder's config
+    assert json.loads((lm.hf_folder / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
     eager = load_model(str(tmp_path / "tiny-qwen2.gguf")).model
     eager.setup_caches(64)

@@ -85,3 +85,18 @@ def test_chunked_package_is_assembled_and_checked(tmp_path, monkeypatch):
                                  sha256="0" * 64, pip_packages=("x",))
     with pytest.raises(ModelNotFoundError, match="sha256"):
         registry.gguf_path(bad)
+
+
+def test_a_folder_converted_without_architectures_gets_them_on_its_next_load(tmp_path, monkeypatch):
+    """Folders converted before the conversion wrote `architectures` (vLLM needs it) are repaired in place."""
+    import json
+
+    from polybasic.models import loader
+
+    monkeypatch.setenv("POLYBASIC_CACHE", str(tmp_path / "cache"))
+    folder = registry.cache_root() / "models" / "old"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    assert loader._convert_gguf(tmp_path / "unused.gguf", "old") == folder  # cached: not converted again
+    assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama", "hidden_size": 8,
+                                                                "architectures": ["LlamaForCausalLM"]}

@@ -48,7 +48,8 @@ def serve_check(capsys, *argv):
     ([], ["bundle: none given", "--speculators"]),
     (["--speculators", "{d}/spec"], ["--model:", "pass --model"]),
     (["--model", "smollm2-135m", "--speculators", "{d}/spec", "--k", "0"], ["k: must be >= 1, got 0"]),
-    (["--model", "smollm2-135m", "--speculators", "{d}/spec", "--max-new-tokens", "0"], ["max_new_tokens: must be >= 1"]),
+    (["--model", "smollm2-135m", "--speculators", "{d}/spec", "--max-new-tokens", "0"],
+     ["max_new_tokens: must be >= 1"]),
     (["--model", "smollm2-135m", "--speculators", "{d}/spec", "--near-tie", "-1"], ["near_tie: must be >= 0"]),
     (["--model", "smollm2-135m", "--speculators", "{d}/spec", "--ours-compiled", "--warmup", "0"],
      ["warmup: --ours-compiled compiles on its first prompt"]),
@@ -203,3 +204,53 @@ def test_our_side_runs_vanilla_and_the_chain_with_the_head_and_finds_the_gap(tmp
     assert gap["top2"][0] == runs[sc.OURS][0]["tokens"][2] and gap["top2_gap"] >= 0 and gap["gap"] >= 0
     runs, tau, accept = sc.our_side(plan, lm, None, prompts, 4, warmup=0, progress=False)
     assert sc.OURS_CHAIN not in runs and tau is None
+
+
+def test_a_bundle_names_the_target_the_speculators_folder_and_k(tmp_path, fake_python, capsys):
+    """A bundle whose chain has an eagle3 head right under the target: serve-check serves its
+    speculators/ folder on its target with its k, and our chain runs that very folder; a bundle with
+    anything else right under the target is refused naming the level."""
+    from polybasic.cli import build_parser
+    from polybasic.models import load_model
+    from polybasic.models.eagle_head import save_head
+    from polybasic.runtime import bundle as B
+    from polybasic.runtime.chainspec import parse_chain_spec
+    from tests.helpers import tiny_hf_folder
+    from tests.models.test_speculators_format import eagle3_head
+
+    tiny_hf_folder(tmp_path / "m", vocab=64, init_std=0.2, layers=3)
+    lm = load_model(str(tmp_path / "m"))
+    head = eagle3_head(lm.model, 16, layers=[1])
+    save_head(tmp_path / "h.safetensors", head)
+    folder = B.export_bundle(tmp_path / "bundle", str(tmp_path / "m"), "float32",
+                             parse_chain_spec(f"eagle:{tmp_path}/h.safetensors"), B.Decoding(k=4), lm.tokenizer)
+    args = build_parser().parse_args(["serve-check", str(folder), "--vllm-python", str(fake_python),
+                                      "--categories", "writing"])
+    plan = sc.validate(args)
+    assert (plan.target, plan.k, plan.speculators, plan.head) == (str(tmp_path / "m"), 4, folder / "speculators", None)
+    assert len(plan.questions) == 1
+    ours, why = sc.load_our_head(plan, lm)
+    assert why is None and all(torch.equal(ours.state_dict()[k], v) for k, v in head.state_dict().items())
+    sc.check_against_target(sc.read_speculators_config(plan.speculators),
+                            json.loads((tmp_path / "m" / "config.json").read_text()), "speculators")
+    ngram = B.export_bundle(tmp_path / "ngram", str(tmp_path / "m"), "float32", parse_chain_spec("ngram"),
+                            B.Decoding(k=4), lm.tokenizer)
+    rc, err = serve_check(capsys, str(ngram), "--vllm-python", str(fake_python))
+    assert rc == 2 and "the level right under the target is 'ngram'" in err
+
+
+def test_a_failed_or_hung_vllm_run_names_its_log(tmp_path):
+    from polybasic.errors import EngineError
+
+    def plan_with(script: str):
+        py = tmp_path / "bin" / "python"
+        py.parent.mkdir(exist_ok=True)
+        py.write_text("#!/bin/sh\n" + script)
+        py.chmod(0o755)
+        return sc.Plan("t", "float32", None, tmp_path, None, 3, py, [], tmp_path / "out")
+
+    with pytest.raises(EngineError, match=r"(?s)vllm: the vllm run failed \(exit 1.*make vllm-check.*No module named"):
+        sc.run_vllm(plan_with("echo 'No module named vllm'; exit 1\n"), "vllm", {"x": 1}, 1, 60)
+    assert (tmp_path / "out" / "vllm.log").read_text().strip() == "No module named vllm"
+    with pytest.raises(EngineError, match=r"timeout: vLLM's vllm-eagle3 run took more than 1 s .*--timeout"):
+        sc.run_vllm(plan_with("sleep 30\n"), "vllm-eagle3", {"x": 1}, 1, 1)

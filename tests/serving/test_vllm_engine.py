@@ -1,4 +1,4 @@
-"""The real vLLM engine (marker vllm: `make vllm-check`, never in the default run; ~6 min on 2 cores)
+"""The real vLLM engine (marker vllm: `make vllm-check`, never in the default run; 6 to 9 min on 2 cores)
 serving SmolLM2-135M with an EAGLE-3 head through `polybasic serve-check`, one request at a time:
 vLLM's eagle3 output identical to its vanilla, its acceptance length beside ours for the same head and
 k, and the JSON summary written. The heads are rigs whose acceptance follows from the output alone: a
