@@ -39,7 +39,7 @@ from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError, EngineError, ModelNotFoundError, check
 from polybasic.models.eagle_head import load_head
 from polybasic.models.loader import load_model, resolve_hf_folder
-from polybasic.models.preflight import check_source, safetensors_header
+from polybasic.models.preflight import check_source, read_json, safetensors_header
 from polybasic.models.speculators_format import load_speculators
 from polybasic.runtime.bundle import SPECULATORS, check_bundle
 from polybasic.runtime.chain import Chain
@@ -136,9 +136,7 @@ def check_against_target(spec_cfg: dict, target_cfg: dict, where: str) -> None:
 def check_hf_folder(folder: Path) -> dict:
     """The target's HF folder as vLLM needs it: config.json with `architectures`."""
     path = folder / "config.json"
-    if not path.is_file():
-        raise ModelNotFoundError(f"model: {folder} has no config.json; vLLM loads Hugging Face folders")
-    cfg = json.loads(path.read_text())
+    cfg = read_json(path, "model", "vLLM loads Hugging Face folders", "convert the model again")
     check(bool(cfg.get("architectures")), f"model: {path}: architectures",
           "is missing; vLLM picks the model class from it",
           'add e.g. "architectures": ["LlamaForCausalLM"] to it (polybasic writes it when it converts a GGUF)')
