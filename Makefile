@@ -59,7 +59,7 @@ bench: setup
 # python would not see that venv's packages). Offline (no package index), pre-install the wheels and
 # pass GPU_PIP="--no-index --no-deps --no-build-isolation".
 GPU_CHECK ?= runs/gpu-check
-GPU_METHODS ?= vanilla,hf,hf-pld,pld,chain:target@bfloat16+ngram
+GPU_METHODS ?= vanilla,vanilla-compiled,hf,hf-pld,pld,pld-compiled,chain:target@bfloat16+ngram,chain-compiled:target@bfloat16+ngram
 GPU_PIP ?=
 gpu-check:
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)

@@ -4,10 +4,11 @@
         --kernels bfloat16,bfloat16-compiled,float32,float32-compiled,runs/qwen2.5-coder-1.5b-cpu/model.safetensors
 
 Each kernel is the target loaded in a dtype (`bfloat16`, `float32`, ...), `DTYPE-compiled` (the same
-model with its one-token step compiled, `vanilla-compiled:DTYPE`'s step; in fp32 it reads the GGUF's
-block codes: only `step` and M=1 differ, a verification of M >= 2 tokens runs the dense DTYPE
-GEMMs), or a quantized copy (`PATH.safetensors`, e.g. int4 x bf16: another model's numerics, listed
-for its cost). Times are what a chain's verification calls (ModelLevel.score: forward and the
+model with every forward run as compiled static-shape steps, models.static: M padded up to the next
+step size; in fp32 one-token steps read the GGUF's block codes, M >= 2 runs the dense DTYPE GEMMs), or
+a quantized copy (`PATH.safetensors`, e.g. int4 x bf16: another model's numerics, listed for its
+cost; `PATH.safetensors-compiled` compiled alike). The first call of each step size (its compile)
+falls in the warm-up. Times are what a chain's verification calls (ModelLevel.score: forward and the
 distributions of M rows, planner.measure.cost_curve) at a prefilled context, medians of --reps.
 Models are loaded one at a time, so the peak memory is the largest one's. Prints a markdown table
 (ms per forward, the fastest per M in bold) and writes it with the raw curves to --json.
@@ -24,8 +25,12 @@ def _load(kernel: str, model: str):
     from polybasic.models.prepare import compile_for_device
     from polybasic.quant.api import load_any_model
 
-    if kernel.endswith(".safetensors"):
-        return load_any_model(kernel).model
+    base, compiled = (kernel[:-len("-compiled")], True) if kernel.endswith("-compiled") else (kernel, False)
+    if base.endswith(".safetensors"):
+        m = load_any_model(base).model
+        if compiled:
+            compile_for_device(m, flag=f"--kernels {kernel}")
+        return m
     dtype, _, mode = kernel.partition("-")
     if mode not in ("", "compiled"):
         from polybasic.errors import ConfigError

@@ -706,3 +706,13 @@ def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
     if recipe.distill.quantized:
         recipe.distill.quantized = resolve_path(recipe.distill.quantized, base)
     return recipe
+
+
+def int_list(text: str | None, flag: str) -> list[int] | None:
+    """'8,6' -> [8, 6] (None stays None); anything else a ConfigError naming `flag`."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag}: '{text}' is not a comma-separated list of integers, e.g. 8,6") from None

@@ -18,8 +18,23 @@ def test_generate_json(folder, capsys):
     assert main(["generate", "--model", folder, "--prompt", "w1 w2 w3", "--max-new-tokens", "12",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(out) == {"text", "new_tokens", "tokens_per_s", "stats"}
+    assert set(out) == {"text", "new_tokens", "tokens_per_s", "stats", "times_s"}
     assert 1 <= out["new_tokens"] <= 12 and out["tokens_per_s"] > 0
+    assert set(out["times_s"]) == {"load", "first_token"} and min(out["times_s"].values()) > 0
+
+
+def test_generate_compiled_chain_says_it_compiles(folder, capsys):
+    """--compile with a chain compiles every model level before the first token, says so, and reports the
+    time apart; the text equals the eager chain's (greedy, fp32)."""
+    argv = ["generate", "--model", folder, "--prompt", "w1 w2 w3 w1 w2", "--max-new-tokens", "12",
+            "--chain", "target+target@bfloat16+ngram", "--json"]
+    assert main(argv) == 0
+    eager = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(argv + ["--compile"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert "compiling every level's steps" in captured.err
+    assert out["times_s"]["compile"] > 0 and out["text"] == eager["text"]
 
 
 def test_generate_streams_text(folder, capsys):

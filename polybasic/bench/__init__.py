@@ -8,4 +8,5 @@ DEFAULT_METHODS = "vanilla,hf,hf-pld,pld"
 BUNDLE_METHODS = "vanilla,chain"  # with --bundle
 METHOD_NAMES = ("vanilla", "vanilla:DTYPE", "vanilla-compiled", "vanilla-compiled:DTYPE", "vanilla-compiled-dense",
                 "vanilla-compiled-dense:DTYPE", "hf", "hf-pld",
-                "hf-assisted:SOURCE[@DTYPE]", "pld", "chain:SPEC", "chain", "llamacpp", "llamacpp-pld")
+                "hf-assisted:SOURCE[@DTYPE]", "pld", "pld-compiled", "chain:SPEC", "chain", "chain-compiled:SPEC",
+                "chain-compiled", "llamacpp", "llamacpp-pld")

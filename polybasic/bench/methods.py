@@ -22,9 +22,9 @@ from polybasic.errors import ConfigError
 from polybasic.models import load_hf_model, load_model
 from polybasic.models.loader import LoadedModel
 from polybasic.models.preflight import check_source
-from polybasic.models.prepare import compile_for_device
 from polybasic.runtime.chain import Chain
-from polybasic.runtime.chain_builder import parse_chain
+from polybasic.runtime.chain_builder import build_chain, parse_chain
+from polybasic.runtime.compiled import compile_levels
 from polybasic.runtime.context import timed
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel, NGramLevel
@@ -53,6 +53,8 @@ class BenchContext:
     sampling: SamplingConfig = SamplingConfig()
     draft_tokens: int = 8  # k of the n-gram / prompt-lookup drafters
     adaptive_k: bool = False  # chains adapt the bottom draft length (Chain.adaptive_k)
+    thresholds: list[int] | None = None  # chain:SPEC's middle levels (Chain.thresholds; None: k + 1 each)
+    step_sizes: list[int] | None = None  # token counts the *-compiled methods compile (None: models.static's)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
     dtype: str = "float32"  # the target's dtype (--dtype): hf-assisted's assistant defaults to it
     max_prompt_tokens: int = 0  # the longest prompt of the run (compiled runners size caches once)
@@ -60,6 +62,9 @@ class BenchContext:
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
     bundle: object = None  # a runtime.bundle.BundleDecoder: method `chain` runs its chain
     levels: dict = field(default_factory=dict)  # chain levels by spelling, shared by the chain:SPEC methods
+    compiled_levels: dict = field(default_factory=dict)  # the same for the compiled methods (their own copies)
+    compiled_target: object = None  # the target's compiled copy, shared by the compiled chain methods
+    compile_s: dict = field(default_factory=dict)  # method -> seconds its models took to compile and warm
     _hf: object = field(default=None, repr=False)
 
     def hf_model(self):
@@ -164,10 +169,17 @@ def _target_in(ctx: BenchContext, dtype: str | None, method: str):
 
 def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, method: str) -> Runner:
     model = _target_in(ctx, dtype, method)
-    compile_for_device(model, gguf, f"--methods {method}")
-    if ctx.max_prompt_tokens:
-        model.setup_caches(min(model.args.max_seq_len, ctx.max_prompt_tokens + ctx.max_new_tokens))
+    _compile_levels(ctx, [ModelLevel(model)], gguf, f"{method}:{dtype}" if dtype else method)
     return _generate_runner(ctx, model)
+
+
+def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: str) -> None:
+    """Compile `levels` (target first) for the run's longest request, every step size at once (no
+    compile lands in a timed prompt), and record the time it took in ctx.compile_s[method]."""
+    longest = ctx.max_prompt_tokens + ctx.max_new_tokens + 1 if ctx.max_prompt_tokens else 256
+    say = lambda msg: print(f"[{method}: {msg}]", file=sys.stderr)  # noqa: E731
+    ctx.compile_s[method] = compile_levels(levels, min(ctx.model.args.max_seq_len, longest), gguf,
+                                           ctx.step_sizes, say, f"--methods {method}")
 
 
 @register("vanilla-compiled", MethodArg("DTYPE", check=_check_dtype_arg))
@@ -284,7 +296,43 @@ def _chain(ctx: BenchContext, arg: str | None) -> Runner:
 
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
     levels = parse_chain(arg, target, flag=f"--methods chain:{arg}", cache=ctx.levels)
+    return _chain_runner(ctx, lambda: levels, ctx.thresholds)
+
+
+def _compiled_target(ctx: BenchContext, method: str) -> LoadedModel:
+    """A copy of the target, shared by the compiled chain methods (its steps are compiled with the first)."""
+    if ctx.compiled_target is None:
+        ctx.compiled_target = LoadedModel(_target_in(ctx, None, method), ctx.tokenizer, ctx.model.args, ctx.source, None)
+    return ctx.compiled_target
+
+
+@register("pld-compiled")
+def _pld_compiled(ctx: BenchContext, arg: str | None) -> Runner:
+    """pld with the target's steps compiled (models.static; a separate copy of the target)."""
+    levels = [ModelLevel(_compiled_target(ctx, "pld-compiled").model, name="target"),
+              NGramLevel(max_ngram=3, min_ngram=1, name="ngram")]
+    _compile_levels(ctx, levels, ctx.gguf, "pld-compiled")
     return _chain_runner(ctx, lambda: levels)
+
+
+@register("chain-compiled", MethodArg("SPEC"))
+def _chain_compiled(ctx: BenchContext, arg: str | None) -> Runner:
+    """As chain (a spec, or the bundle's chain without one), every model level and head running compiled
+    static-shape steps (models.static): its own copies of the target and of the levels below it. Their
+    compile time is spent before the timed prompts and reported apart."""
+    method = f"chain-compiled:{arg}" if arg else "chain-compiled"
+    target = _compiled_target(ctx, method)
+    if arg is None:
+        if ctx.bundle is None:
+            raise ConfigError("methods: 'chain-compiled' without a spec runs a bundle's chain; pass --bundle")
+        d = ctx.bundle.manifest.decoding
+        levels = build_chain(ctx.bundle.manifest.chain, target, flag=f"--methods {method}", cache=ctx.compiled_levels)
+        thresholds, k, adaptive = None if d.thresholds is None else list(d.thresholds), d.k, d.adaptive_k
+    else:
+        levels = parse_chain(arg, target, flag=f"--methods {method}", cache=ctx.compiled_levels)
+        thresholds, k, adaptive = ctx.thresholds, None, None
+    _compile_levels(ctx, levels, ctx.gguf, method)
+    return _chain_runner(ctx, lambda: levels, thresholds, k, adaptive)
 
 
 # -- peers: llama.cpp on the target's own GGUF file (the optional extra [peers]) -----------------------

@@ -90,7 +90,14 @@ def _md(head: list[str], rows: list[list[str]]) -> str:
 
 
 def text_table(doc: dict) -> str:
-    return _plain(*_rows(doc)) + "\n\n" + _plain(*_cat_rows(doc))
+    return "\n".join([_plain(*_rows(doc)), *_compile_lines(doc), "", _plain(*_cat_rows(doc))])
+
+
+def _compile_lines(doc: dict) -> list[str]:
+    """One line per compiled method: the seconds spent compiling (or loading from inductor's cache) and
+    warming its steps, before and apart from the timed prompts."""
+    return [f"{m}: compiled steps ready in {v['compile_s']:.1f} s (before the timed prompts, not in tokens/s)"
+            for m, v in doc["methods"].items() if v.get("compile_s") is not None]
 
 
 def _fastest_sentence(doc: dict) -> list[str]:
@@ -124,7 +131,7 @@ def markdown(doc: dict) -> str:
         "(vanilla:DTYPE) or with other numerics (transformers, compiled steps) are not expected to be "
         "identical: a different kernel or rounding can flip a near-tie.", "",
         *_fastest_sentence(doc),
-        _md(*_rows(doc)), "", "## Per category", "", _md(*_cat_rows(doc)), "",
+        _md(*_rows(doc)), "", *[f"- {line}" for line in _compile_lines(doc)], "", "## Per category", "", _md(*_cat_rows(doc)), "",
     ]
     return "\n".join(parts)
 

@@ -15,11 +15,12 @@ from polybasic.bench.methods import BenchContext, make_runner, parse_methods
 from polybasic.bench.questions import load_questions, select
 from polybasic.bench.report import machine_info, peak_rss_mib, text_table, write_outputs
 from polybasic.bench.runner import fastest_vanilla, run_all, summarize
-from polybasic.config import DEFAULT_MODEL, SamplingConfig
+from polybasic.config import DEFAULT_MODEL, SamplingConfig, int_list
 from polybasic.errors import ConfigError
 from polybasic.models import load_hf_model
 from polybasic.models.preflight import check_source
 from polybasic.models.prepare import check_compilable
+from polybasic.models.static import check_sizes
 from polybasic.planner.replan import reprofile
 from polybasic.quant.api import load_any_model
 from polybasic.runtime.bundle import check_bundle, load
@@ -63,17 +64,18 @@ def validate(a: argparse.Namespace):
         raise ConfigError("methods: 'chain' without a spec runs a bundle's chain; pass --bundle, or spell the "
                           "chain as chain:SPEC")
     sampling = SamplingConfig(a.temperature, a.top_k, a.top_p)
+    a.thresholds = int_list(a.thresholds, "--thresholds")
+    a.step_sizes = int_list(a.step_sizes, "--step-sizes")
+    if a.step_sizes:
+        check_sizes(a.step_sizes, "--step-sizes")
     for field, value, low in (("max_new_tokens", a.max_new_tokens, 1), ("warmup", a.warmup, 0),
                               ("draft_tokens", a.draft_tokens, 1), ("threads", a.threads, 1)):
         if value is not None and value < low:
             raise ConfigError(f"{field}: must be >= {low}, got {value}; pass --{field.replace('_', '-')} "
                               f"{low} or more")
-    compiled = [m for m in methods if m.startswith("vanilla-compiled")]
+    compiled = [m for m in methods if "-compiled" in m.split(":", 1)[0]]
     if compiled:
         check_compilable(device, f"--methods {compiled[0]}")
-    if compiled and a.warmup < 1:
-        raise ConfigError(f"warmup: {compiled[0]} compiles on its first prompt, which must not be timed; "
-                          "pass --warmup 1 or more")
     if a.json_out and Path(a.json_out).is_dir():
         raise ConfigError(f"json: {a.json_out} is a folder; pass a file path such as {a.json_out}/bench.json")
     if a.report and Path(a.report).exists() and not Path(a.report).is_dir():
@@ -131,6 +133,7 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
     prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
                        a.draft_tokens, source=a.model, dtype=a.dtype, adaptive_k=a.adaptive_k,
+                       thresholds=a.thresholds, step_sizes=a.step_sizes,
                        max_prompt_tokens=max(len(p) for *_, p in prompts), gguf=lm.gguf_file,
                        hf_loader=lambda: load_hf_model(a.model, a.dtype, lm.model.device), bundle=bundle)
     runners = {m: make_runner(m, ctx) for m in methods}
@@ -142,8 +145,9 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
         "model": a.model, "bundle": a.bundle, "questions": a.questions or "spec-bench", "prompts": len(prompts),
         "categories": list(dict.fromkeys(q.category for q in questions)),
         "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,
-        "top_p": a.top_p, "draft_tokens": a.draft_tokens, "adaptive_k": a.adaptive_k, "seed": a.seed,
-        "warmup": a.warmup})
+        "top_p": a.top_p, "draft_tokens": a.draft_tokens, "thresholds": a.thresholds, "step_sizes": a.step_sizes, "adaptive_k": a.adaptive_k,
+        "seed": a.seed,
+        "warmup": a.warmup}, ctx.compile_s)
     write_outputs(doc, a.json_out, a.report)
     print(text_table(doc))
     for label, path in (("json", a.json_out), ("report", a.report and Path(a.report) / "report.md")):
@@ -152,11 +156,16 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
     return doc
 
 
-def build_document(records, greedy: bool, machine: dict, predicted: dict, config: dict) -> dict:
+def build_document(records, greedy: bool, machine: dict, predicted: dict, config: dict,
+                   compile_s: dict | None = None) -> dict:
     """The --json document: machine, methods (the contract's schema), plus config and per-prompt rows.
-    predicted: {method: the plan's predicted speedup} (a bundle's chain)."""
+    predicted: {method: the plan's predicted speedup} (a bundle's chain); compile_s: {method: seconds its
+    compiled steps took to compile and warm, before any timed prompt}."""
 
     rows = [{k: v for k, v in r.__dict__.items() if k != "tokens"} for r in records]
     methods = summarize(records, greedy, predicted)
+    for m, seconds in (compile_s or {}).items():
+        if m in methods:
+            methods[m]["compile_s"] = seconds
     return {"machine": machine, "methods": methods, "fastest_vanilla": fastest_vanilla(methods),
             "config": config, "records": rows}

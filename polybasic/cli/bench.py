@@ -15,6 +15,8 @@ def add_parser(sub) -> None:
                                    f"transformers assisted generation with that assistant (same tokenizer as the "
                                    f"target; DTYPE defaults to --dtype); chain:SPEC runs a chain spelled as for "
                                    f"`generate --chain`; chain alone runs the --bundle's chain; "
+                                   f"pld-compiled and chain-compiled[:SPEC] run the same with every level's steps "
+                                   f"compiled (their compile time is reported apart); "
                                    f"llamacpp and llamacpp-pld run llama.cpp on the target's own GGUF file (pip "
                                    f"install 'polybasic[peers]'; skipped with a message without it).\n\n{CHAIN_HELP}")
     p.add_argument("--bundle", default=None, metavar="PATH|HUB_ID",
@@ -44,6 +46,12 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu",
                    help="where every method runs: cpu, cuda or cuda:N (the report then names the GPU)")
     p.add_argument("--draft-tokens", type=int, default=8, help="k of the n-gram / prompt-lookup drafts")
+    p.add_argument("--step-sizes", default=None, metavar="N,N",
+                   help="*-compiled methods: the token counts their steps are compiled for, 1 first, the largest "
+                        "the prefill chunk (default: 1,2,4,8,12,16,64); fewer sizes compile faster")
+    p.add_argument("--thresholds", default=None, metavar="N,N",
+                   help="chain:SPEC and chain-compiled:SPEC: how many tokens each middle level accumulates before "
+                        "handing them up, one per middle level (default: k + 1 each)")
     p.add_argument("--adaptive-k", action="store_true",
                    help="our chains adapt the bottom level's draft length (1..k) to its acceptance")
     p.add_argument("--seed", type=int, default=0)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
-from polybasic.config import DEFAULT_MODEL, SamplingConfig
+from polybasic.config import DEFAULT_MODEL, SamplingConfig, int_list
 from polybasic.errors import ConfigError, DataNotFoundError
 from polybasic.models.preflight import check_source
 from polybasic.runtime.chainspec import CHAIN_HELP, check_chain_files, parse_chain_spec
@@ -49,7 +50,9 @@ def add_parser(sub) -> None:
     p.add_argument("--thresholds", default=None,
                    help="comma-separated hand-up threshold per middle level (default: k+1 each)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the one-token step (costs tens of seconds once, then cached)")
+                   help="run every level's forwards (the target's, a chain's models and heads) as compiled "
+                        "static-shape steps: minutes to compile the first time, seconds once inductor has "
+                        "cached them; the time is printed apart")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=_cmd_generate)
 
@@ -94,18 +97,21 @@ def _precheck_generate(a: argparse.Namespace):
         return prompt, check_bundle(resolve_bundle(a.bundle)), None
     check_source(a.model, "--model")
     spec = check_chain_files(parse_chain_spec(a.chain, "--chain"), "--chain") if a.chain else None
-    return prompt, spec, _int_list(a.thresholds, "--thresholds")
+    return prompt, spec, int_list(a.thresholds, "--thresholds")
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
     prompt, spec, thresholds = _precheck_generate(a)
     # the runtime, imported when the command runs (start-up time: `--help` and argument errors stay free of torch)
-    from polybasic.models.prepare import check_compilable, compile_for_device
+    from polybasic.models.prepare import check_compilable
     from polybasic.quant.api import load_any_model
     from polybasic.runtime.chain import Chain, check_k
     from polybasic.runtime.chain_builder import build_chain
+    from polybasic.runtime.compiled import compile_levels
     from polybasic.runtime.context import ExecutionContext
     from polybasic.runtime.generate import GenerationStats, check_request, generate_tokens
+    from polybasic.runtime.levels import ModelLevel
     from polybasic.runtime.text import encode_prompt, eos_ids, stream_text
 
     check_request([0], a.max_new_tokens, 2)
@@ -133,10 +139,13 @@ def _cmd_generate(a: argparse.Namespace) -> int:
                                                 eos=eos_ids(lm.tokenizer), adaptive_k=a.adaptive_k)
     ids = encode_prompt(lm.tokenizer, prompt, chat=not a.no_chat)
     check_request(ids, a.max_new_tokens, lm.args.max_seq_len)  # an over-long prompt: a clear error
+    times = {"load": time.perf_counter() - t_start}
     if a.compile:
-        coded = compile_for_device(lm.model, lm.gguf_file)
-        print(f"[compiling the one-token step ({coded} linears read GGUF block codes); the first token "
-              "waits ~90 s on a 2-core CPU the first time, ~20 s once inductor has cached it]", file=sys.stderr)
+        say = lambda msg: print(f"[{msg}]", file=sys.stderr)  # noqa: E731
+        say("compiling every level's steps: minutes the first time on a small CPU, seconds once cached")
+        levels = chain.levels if chain is not None else [ModelLevel(lm.model)]
+        times["compile"] = compile_levels(levels, min(lm.args.max_seq_len, len(ids) + a.max_new_tokens + 1),
+                                          lm.gguf_file, notify=say)
     generator = ctx.generator()
     if chain is not None:
         token_iter = chain.stream(ids, a.max_new_tokens, sampling, generator)
@@ -148,7 +157,10 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         get_stats = lambda: stats  # noqa: E731
 
     pieces = []
+    t_ready = time.perf_counter()
     for piece in stream_text(lm.tokenizer, token_iter):
+        if not pieces:
+            times["first_token"] = time.perf_counter() - t_ready
         pieces.append(piece)
         if not a.json:
             sys.stdout.write(piece)
@@ -156,23 +168,15 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     stats = get_stats()
     if a.json:
         print(json.dumps({"text": "".join(pieces), "new_tokens": stats.new_tokens,
-                          "tokens_per_s": stats.tokens_per_s, "stats": stats.to_dict()}))
+                          "tokens_per_s": stats.tokens_per_s, "stats": stats.to_dict(),
+                          "times_s": times}))
     else:
         sys.stdout.write("\n")
         extra = f", tau {stats.tau:.2f}" if chain is not None else ""
-        print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{extra}, stop: {stats.stop_reason}]",
-              file=sys.stderr)
+        print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{extra}, stop: {stats.stop_reason}; "
+              + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in times.items()) + "]", file=sys.stderr)
     return 0
 
 
 def _or(value, default):
     return default if value is None else value
-
-
-def _int_list(text: str | None, flag: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"{flag}: '{text}' is not a comma-separated list of integers, e.g. 8,6") from None

@@ -26,8 +26,11 @@ class KVCache(nn.Module):
         """Keep only the sequences `rows` [B'] of the batch, in that order (a batch whose other rows finished)."""
         self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
 
-    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, G, M, D] at rows start..start+M-1; return the valid prefix [B, G, start+M, D]."""
+    def update(self, start: int | Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, G, M, D] at rows start..start+M-1; return the valid prefix [B, G, start+M, D].
+        start a tensor of positions [M] (a static step): write there; return the whole cache [B, G, S, D]."""
+        if isinstance(start, Tensor):
+            return self.k.index_copy_(2, start, k), self.v.index_copy_(2, start, v)
         m = k.shape[2]
         self.k.narrow(2, start, m).copy_(k)
         self.v.narrow(2, start, m).copy_(v)
@@ -86,49 +89,64 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
         """x [B, M, E]; cos, sin [M, 1, D] with sin sign-folded; mask [M, start+M] or [B, 1, M, start+M], or None for
-        M=1 (sees everything) and for a prefill from 0 (plain causal)."""
+        M=1 (sees everything) and for a prefill from 0 (plain causal).
+        Static step (models.static): start is the rows' positions [M] and mask [M, S] says which of the
+        cache's S rows each may see; every shape is then fixed by M and S alone."""
         bsz, m, _ = x.shape
         h, g = self.n_heads, self.n_kv
         qkv = project(self.wqkv, x).view(bsz, m, h + 2 * g, self.head_dim)  # [B, M, H+2G, D]
         qk = apply_rope(qkv[:, :, :h + g], cos, sin, sin_signed=True)  # [B, M, H+G, D], q and k at once
         q = qk[:, :, :h].transpose(1, 2)  # [B, H, M, D]
         k, v = self.kv_cache.update(start, qk[:, :, h:].transpose(1, 2),
-                                    qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D]
-        compiling = torch.compiler.is_compiling()
-        if m == 1 and (mask is None or mask.dim() == 4):  # one row: no mask, or a batch's key mask [B, 1, 1, S]
-            y = self._attend_one(q, k, v, compiling, mask)  # [B, H, 1, D]
-        elif (start > 0 and bsz == 1 and not compiling and (mask is None or mask.dim() == 2)
+                                    qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D] (static: [B, G, S, D])
+        if isinstance(start, Tensor):
+            y = masked_attention(q, k, v, mask)  # [B, H, M, D]
+        elif m == 1 and (mask is None or mask.dim() == 4):  # one row: no mask, or a batch's key mask [B, 1, 1, S]
+            y = self._attend_one(q, k, v, mask)  # [B, H, 1, D]
+        elif (start > 0 and bsz == 1 and (mask is None or mask.dim() == 2)
               and q.dtype in ROW_INVARIANT_DTYPES and q.device.type == "cpu"):
             # k-token verification in bf16/fp16: each row exactly as a one-token step computes it (its
             # own key length, the same call), because SDPA's bits for a row change with the row count
             # and bf16 rounds those into different logits (see gguf_codes.project for the linears)
-            y = torch.cat([self._attend_one(q[:, :, i:i + 1], k[:, :, :start + i + 1], v[:, :, :start + i + 1],
-                                            compiling) for i in range(m)], dim=2)  # [B, H, M, D]
+            y = torch.cat([self._attend_one(q[:, :, i:i + 1], k[:, :, :start + i + 1], v[:, :, :start + i + 1])
+                           for i in range(m)], dim=2)  # [B, H, M, D]
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m > 1 and mask is None,
                                                enable_gqa=h != g)  # [B, H, M, D]
         return project(self.wo, y.reshape(bsz, h, m, self.head_dim).transpose(1, 2).reshape(bsz, m, h * self.head_dim))
 
-    def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, compiling: bool, mask: Tensor | None = None) -> Tensor:
+    def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         """One query row per sequence, q [B, H, 1, D], over the cached rows k, v [B, G, L, D] that `mask`
         [B, 1, 1, L] (left-padded batches; None: all) lets it see -> [B, H, 1, D]."""
         bsz, h, g = q.shape[0], self.n_heads, self.n_kv
-        if h == g and not compiling:
+        if h == g:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # a kv head's H/G query heads are rows of one call, so K/V are not repeated per query head
         qg = q.reshape(bsz, g, h // g, self.head_dim)  # [B, G, H/G, D]
-        if compiling and mask is None:  # plain math: inductor maps it back to one SDPA call with fewer
-            # layout copies (22.2 vs 22.6-23.5 ms per compiled step)
-            y = ((qg @ k.transpose(-1, -2)) * self.head_dim ** -0.5).softmax(-1) @ v  # [B, G, H/G, D]
-        elif mask is not None:  # a batch's key mask (batched generation): plain math, softmax in fp32;
+        if mask is not None:  # a batch's key mask (batched generation): plain math, softmax in fp32;
             # 2x faster than SDPA with a mask in bf16 on CPU, ~10x faster than SDPA's GQA path
             scores = (qg @ k.transpose(-1, -2)).float() * self.head_dim ** -0.5  # [B, G, H/G, L]
             y = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype) @ v  # [B, G, H/G, D]
         else:
             y = F.scaled_dot_product_attention(qg, k, v)  # [B, G, H/G, D]
         return y.reshape(bsz, h, 1, self.head_dim)
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """q [B, H, M, D] over k, v [B, G, S, D], row i seeing the keys where mask [M, S] is True -> [B, H, M, D].
+
+    Plain math with the softmax in fp32, which inductor fuses: a kv head's H/G query heads are rows of
+    one product, so K and V are never repeated per query head.
+    """
+    bsz, h, m, d = q.shape
+    g = k.shape[1]
+    qg = q.reshape(bsz, g, (h // g) * m, d)  # [B, G, H/G*M, D]: head-major, as q's heads are ordered
+    scores = (qg @ k.transpose(-1, -2)).float().mul_(d ** -0.5)  # [B, G, H/G*M, S]
+    scores = scores.view(bsz, g, h // g, m, -1).masked_fill(~mask, float("-inf"))  # [B, G, H/G, M, S]
+    y = scores.softmax(-1).to(v.dtype).view(bsz, g, (h // g) * m, -1) @ v  # [B, G, H/G*M, D]
+    return y.view(bsz, h, m, d)
 
 
 class FeedForward(nn.Module):
@@ -150,6 +168,6 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
         h = self.attention(self.attention_norm(x), cos, sin, mask, start).add_(x)
         return self.feed_forward(self.ffn_norm(h)).add_(h)

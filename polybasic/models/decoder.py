@@ -20,6 +20,7 @@ from polybasic.models.args import ModelArgs
 from polybasic.models.blocks import KVCache, RMSNorm, rope_tables
 from polybasic.models.families import block_for, family_for
 from polybasic.models.gguf_codes import attach_codes, project
+from polybasic.models.static import StaticSteps, pad_rows, positions
 
 
 class Transformer(nn.Module):
@@ -34,7 +35,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         self.max_seq_len = 0
-        self._compiled_step = None  # see compile_decode
+        self._static: StaticSteps | None = None  # see compile_steps
         self.feature_layers: tuple[int, ...] = ()  # see use_feature_layers
 
     def tie_weights(self) -> None:
@@ -56,18 +57,20 @@ class Transformer(nn.Module):
                               f"{self.args.max_seq_len} tokens; shorten the prompt or max_new_tokens")
         if max_seq_len <= self.max_seq_len and self.layers[0].attention.kv_cache.k.shape[0] == batch:
             return
-        if self._compiled_step is not None:  # dynamo specialises on buffer sizes: few sizes, few compiles
+        rows = max_seq_len
+        if self._static is not None:  # steps compile per cache size: few sizes, few compiles; padding
+            # rows write up to `largest` rows past the sequence
             max_seq_len = min(self.args.max_seq_len, max(256, 1 << (max_seq_len - 1).bit_length()))
+            rows = max_seq_len + self._static.largest
         dev, dt = self.device, self.dtype
         for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch, self.args.n_kv_heads, max_seq_len,
-                                               self.args.head_dim, dt, dev)
-        cos, sin = rope_tables(self.args, max_seq_len, dev)  # [S, D]
+            layer.attention.kv_cache = KVCache(batch, self.args.n_kv_heads, rows, self.args.head_dim, dt, dev)
+        cos, sin = rope_tables(self.args, rows, dev)  # [S, D]
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # sign-folded, see apply_rope
         self.register_buffer("rope_cos", cos.to(dt).unsqueeze(1), persistent=False)  # [S, 1, D]
         self.register_buffer("rope_sin", sin.to(dt).unsqueeze(1), persistent=False)  # [S, 1, D]
-        causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=dev).tril()
+        causal = torch.ones(rows, rows, dtype=torch.bool, device=dev).tril()
         self.register_buffer("causal_mask", causal, persistent=False)
         self.max_seq_len = max_seq_len
 
@@ -87,49 +90,94 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache.keep(rows)
 
-    def compile_decode(self, gguf: str | Path | None = None, options: dict | None = None) -> int:
-        """Run one-token steps (M=1, no key mask) through `torch.compile` from now on.
-
-        The step is compiled with a symbolic `start` (dynamic=True) on its first call: tens of seconds
-        on a CPU, then cached by inductor on disk. Dynamo specialises on the cache length, so from now
-        on `setup_caches` rounds it up to a power of two (>= 256): a new size costs one more compile,
-        which a server avoids by sizing the caches for its longest request up front (polybasic bench
-        does). Prefills and k-token verifications stay eager. Logits agree with the eager step to
-        float rounding (fused kernels sum in another order), not bit for bit.
+    def compile_steps(self, gguf: str | Path | None = None, options: dict | None = None, sizes=None,
+                      notify=None) -> int:
+        """Run every forward (any M, prefills in chunks) through static-shape compiled steps from now on
+        (models.static): M padded up to one of `sizes`, compiled once per size on its first use, a
+        cached copy loaded from disk in later processes; CUDA graphs on CUDA. The caches then hold a
+        power of two (>= 256) rows plus the largest size, so a new request size rarely means a new graph.
+        Logits agree with eager ones to float rounding (fused kernels sum in another order), not bit for
+        bit. Left-padded batches (key_mask) stay eager.
 
         gguf: the GGUF file the fp32 weights were expanded from. Its block codes are attached to the
-        CPU fp32 linears they reproduce exactly (see gguf_codes), and compiled steps read those, 1 byte
+        CPU fp32 linears they reproduce exactly (see gguf_codes), and one-token steps read those, 1 byte
         per weight instead of 4 (+~1.2 bytes per weight of memory). Returns how many linears read codes.
         options: inductor options (models.prepare.compile_for_device passes the device's).
+        notify: told before each first compile (default: the log).
         """
         coded = attach_codes(self, gguf) if gguf is not None else 0
-        if self._compiled_step is None:
-            self._compiled_step = torch.compile(self._forward, dynamic=True, options=options)
+        if self._static is None:
+            self._static = StaticSteps(self._static_forward, "the model", sizes, self.device, options, notify)
+            self.max_seq_len = 0  # the next setup_caches sizes the caches for static steps
         return coded
 
+    @torch.inference_mode()
+    def warm_steps(self) -> None:
+        """Compile every step now: each size with all rows' logits, and the one-token and prefill-chunk
+        steps that read one row's, so that no compile lands inside a timed or latency-critical call.
+        Writes garbage to cache rows the next generation overwrites; needs setup_caches first."""
+        steps = self._static
+        for size in steps.sizes:
+            tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
+            self(tokens, 0)
+            if size in (1, steps.largest):
+                self(tokens, 0, last_only=True)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent in first calls of compiled steps (compiling them), 0 when not compiled."""
+        return self._static.compile_s if self._static is not None else 0.0
+
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
-                key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                key_mask: Tensor | None = None, tail: int | None = None) -> tuple[Tensor, Tensor]:
         """tokens [B, M] at positions start..start+M-1.
 
         key_mask [B, S'] (S' >= start+M, bool): cache rows each sequence may attend to, for
         left-padded batches (False on the padding). RoPE is relative, so a row padded by n slots
         scores exactly as if it started at slot 0.
 
-        Returns logits [B, M, V] (or [B, 1, V] with last_only) and the last layer's hidden states
-        before the final norm, [B, M, E] (the features EAGLE-style drafters read); with
-        `use_feature_layers`, the outputs of those layers in front of it, [B, M, (n+1) * E].
+        Returns logits [B, M, V] (only the last `tail` rows' with tail, [B, 1, V] with last_only) and the
+        last layer's hidden states before the final norm, [B, M, E] (the features EAGLE-style drafters
+        read); with `use_feature_layers`, the outputs of those layers in front of it, [B, M, (n+1) * E].
         """
         m = tokens.shape[1]
         end = start + m
         if end > self.max_seq_len:
             raise ConfigError(f"sequence length: {end} tokens exceed the cache of {self.max_seq_len}; "
                               "call setup_caches with a larger max_seq_len")
-        if self._compiled_step is not None and m == 1 and key_mask is None:
-            return self._compiled_step(tokens, start, last_only)
-        return self._forward(tokens, start, last_only, key_mask)
+        tail = 1 if last_only else min(tail or m, m)
+        if self._static is not None and key_mask is None:
+            return self._static_chunks(tokens, start, tail)
+        return self._forward(tokens, start, tail, key_mask)
 
-    def _forward(self, tokens: Tensor, start: int, last_only: bool = False,
-                 key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _static_chunks(self, tokens: Tensor, start: int, tail: int) -> tuple[Tensor, Tensor]:
+        """forward through the compiled steps: chunks of the largest size, the last one padded."""
+        steps, m = self._static, tokens.shape[1]
+        logits, hidden = [], []
+        for a in range(0, m, steps.largest):
+            n = min(steps.largest, m - a)
+            size = steps.bucket(n)
+            need = min(n, max(0, tail - (m - a - n)))  # rows of this chunk whose logits are wanted (its last)
+            chunk = pad_rows(tokens[:, a:a + n], size)  # [B, size]
+            pos = positions(start + a, size, tokens.device)  # [size]
+            # the LM head reads one row in one-token steps and prefill chunks (other sizes compute all rows'
+            # logits: fewer graphs to compile, and their rows' logits are wanted anyway)
+            one = need <= 1 and size in (1, steps.largest)
+            pick = positions(n - 1, 1, tokens.device) if one else None  # [1]
+            lg, hd = steps((tokens.shape[0], size, "last" if one else "all"), chunk, pos, pick)
+            hidden.append(hd[:, :n])
+            if need:
+                logits.append(lg if one else lg[:, n - need:n])
+        return (logits[0] if len(logits) == 1 else torch.cat(logits, 1)), \
+            (hidden[0] if len(hidden) == 1 else torch.cat(hidden, 1))
+
+    def _static_forward(self, tokens: Tensor, pos: Tensor, pick: Tensor | None) -> tuple[Tensor, Tensor]:
+        """tokens [B, M] at positions pos [M], every cache row visible up to its own position; logits of
+        the rows `pick` [1] (None: all)."""
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [M, 1, D]
+        return self._run(tokens, cos, sin, self.causal_mask[pos], pos, pick)
+
+    def _forward(self, tokens: Tensor, start: int, tail: int, key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         m = tokens.shape[1]
         end = start + m
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # [M, 1, D]
@@ -137,6 +185,12 @@ class Transformer(nn.Module):
         if key_mask is not None:
             keys = key_mask[:, None, None, :end]  # [B, 1, 1, start+M]
             mask = keys & self.causal_mask[start:end, :end] if m > 1 else keys  # [B, 1, M, start+M]
+        return self._run(tokens, cos, sin, mask, start, tail)
+
+    def _run(self, tokens: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor,
+             rows: int | Tensor | None) -> tuple[Tensor, Tensor]:
+        """The layers, then the final norm and LM head over `rows`: the last `rows` (an int), the rows of
+        a tensor of indices, or all (None)."""
         x = self.tok_embeddings(tokens)  # [B, M, E]
         taken = []  # outputs of self.feature_layers, each [B, M, E]
         for i, layer in enumerate(self.layers):
@@ -144,8 +198,10 @@ class Transformer(nn.Module):
             if i in self.feature_layers:
                 taken.append(x)
         hidden = torch.cat(taken + [x], dim=-1) if taken else x  # [B, M, (n+1) E]
-        if last_only:
-            x = x[:, -1:]
+        if isinstance(rows, Tensor):
+            x = x.index_select(1, rows)
+        elif rows is not None and rows < x.shape[1]:
+            x = x[:, -rows:]
         return project(self.output, self.norm(x)), hidden
 
 

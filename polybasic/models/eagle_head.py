@@ -58,6 +58,7 @@ from polybasic.models.blocks import Attention, FeedForward, KVCache, RMSNorm
 from polybasic.models.decoder import Transformer
 from polybasic.models.families import block_for
 from polybasic.models.preflight import FIX_HEAD, corrupt_safetensors, safetensors_metadata
+from polybasic.models.static import StaticSteps, pad_rows, positions
 
 DRAFTER_VERSION = 2
 ARCHS = HEAD_ARCHS  # eagle1: EagleHead, eagle3: Eagle3Head
@@ -193,6 +194,7 @@ class EagleHead(nn.Module):
             self.d2t = None
         object.__setattr__(self, "base", None)  # not a submodule: never saved, never trained
         object.__setattr__(self, "_draft_head", {})  # (base head, dtype, ...) -> LM head rows drafted over
+        object.__setattr__(self, "_static", None)  # compiled steps, see compile_steps
 
     def _build(self, cfg: DrafterConfig) -> None:
         """The trained modules: fc, the blocks (and the optional norms and layer fusion)."""
@@ -236,11 +238,20 @@ class EagleHead(nn.Module):
             x = block(x, cos, sin, mask, start)
         return x
 
-    def _step(self, tokens: Tensor, feats: Tensor, pos: int, mask: Tensor | None, start: int) -> Tensor:
-        """One pass of the head's rows at positions pos..pos+M-1, writing cache rows start..: tokens [B, M],
-        feats [B, M, E] or [B, M, (n+1) E] (see _fuse) -> outputs [B, M, E]."""
+    def _step(self, tokens: Tensor, feats: Tensor, pos: int | Tensor, mask: Tensor | None,
+              start: int | Tensor) -> Tensor:
+        """One pass of the head's rows at positions pos..pos+M-1 (or the positions tensor pos [M], a static
+        step), writing cache rows start..: tokens [B, M], feats [B, M, E] or [B, M, (n+1) E] (see _fuse)
+        -> outputs [B, M, E]."""
         x = self._fuse(tokens, feats)  # [B, M, E]
-        return self._blocks(x, *_rope(self.cfg, pos, pos + x.shape[1], x.device, x.dtype), mask, start)
+        return self._blocks(x, *self._rope_at(pos, x), mask, start)
+
+    def _rope_at(self, pos: int | Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [M, 1, D] for x's M rows at positions pos.. (int: computed in x's dtype) or pos [M]
+        (a static step: rows of the tables setup_caches made)."""
+        if isinstance(pos, Tensor):
+            return self.rope_cos[pos], self.rope_sin[pos]
+        return _rope(self.cfg, pos, pos + x.shape[1], x.device, x.dtype)
 
     def bind(self, base: Transformer) -> "EagleHead":
         """Share `base`'s embedding, final norm and LM head, and make the base return the layers this head
@@ -257,11 +268,44 @@ class EagleHead(nn.Module):
         return self
 
     def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
-        """KV cache for incremental decoding (positions 0..max_seq_len-1)."""
+        """KV cache for incremental decoding (positions 0..max_seq_len-1); with compiled steps a power of
+        two (>= 256) rows, plus the padding rows of the largest step, and their RoPE tables and mask."""
         p = self.fc.weight
-        self._set_caches(lambda: KVCache(batch, self.cfg.n_kv_heads, max_seq_len, self.cfg.head_dim,
-                                         p.dtype, p.device))
+        rows = max_seq_len
+        if self._static is not None:
+            max_seq_len = max(256, 1 << (max_seq_len - 1).bit_length())
+            kv = self.layers[0].attention.kv_cache
+            if max_seq_len <= self.max_cache and getattr(kv, "k", None) is not None and kv.k.shape[0] == batch:
+                return  # the same buffers: the compiled steps keep their graphs (and CUDA graphs their addresses)
+            rows = max_seq_len + self._static.largest
+            cos, sin = _rope(self.cfg, 0, rows, p.device, p.dtype)  # [S, 1, D]
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+            self.register_buffer("causal_mask", torch.ones(rows, rows, dtype=torch.bool, device=p.device).tril(),
+                                 persistent=False)  # [S, S]
+        self._set_caches(lambda: KVCache(batch, self.cfg.n_kv_heads, rows, self.cfg.head_dim, p.dtype, p.device))
         self.max_cache = max_seq_len
+
+    def compile_steps(self, options: dict | None = None, sizes=None, notify=None) -> None:
+        """Run the cached forwards through static-shape compiled steps (models.static), as
+        Transformer.compile_steps does; call before setup_caches."""
+        if self._static is None:
+            object.__setattr__(self, "_static", StaticSteps(self._static_step, "the EAGLE head", sizes,
+                                                            self.fc.weight.device, options, notify))
+
+    @torch.inference_mode()
+    def warm_steps(self, widths: tuple[int, ...]) -> None:
+        """Compile every step size now (each once per feature width in `widths`: the base's [(n+1) E],
+        the head's own E), so that no compile lands inside a timed or latency-critical call. Writes
+        garbage to cache rows the next generation overwrites; needs setup_caches first."""
+        p = self.fc.weight
+        for size in self._static.sizes:
+            for w in widths:
+                self(torch.zeros(1, size, dtype=torch.long, device=p.device),
+                     torch.zeros(1, size, w, dtype=p.dtype, device=p.device), 0)
+
+    def _static_step(self, tokens: Tensor, feats: Tensor, pos: Tensor) -> Tensor:
+        return self._step(tokens, feats, pos, self.causal_mask[pos], pos)
 
     def drop_caches(self) -> None:
         """Back to cache-free full-sequence mode (training)."""
@@ -277,10 +321,23 @@ class EagleHead(nn.Module):
         elif start + m > self.max_cache:
             raise ConfigError(f"sequence length: {start + m} rows exceed the head's cache of {self.max_cache}; "
                               "call setup_caches with a larger max_seq_len")
+        if self._static is not None and not self._cache_free():
+            return self._static_forward(tokens, feats, start)
         mask = None
         if m > 1 and start > 0:
             mask = torch.ones(m, start + m, dtype=torch.bool, device=feats.device).tril(start)  # [M, start+M]
         return self._step(tokens, feats, start, mask, start)
+
+    def _static_forward(self, tokens: Tensor, feats: Tensor, start: int) -> Tensor:
+        """forward through the compiled steps: chunks of the largest size, the last one padded."""
+        steps, m, out = self._static, tokens.shape[1], []
+        for a in range(0, m, steps.largest):
+            n = min(steps.largest, m - a)
+            size = steps.bucket(n)
+            pos = positions(start + a, size, tokens.device)  # [size]
+            key = (tokens.shape[0], size, feats.shape[-1])
+            out.append(steps(key, pad_rows(tokens[:, a:a + n], size), pad_rows(feats[:, a:a + n], size), pos)[:, :n])
+        return out[0] if len(out) == 1 else torch.cat(out, 1)  # [B, M, E]
 
     def _fuse(self, tokens: Tensor, feats: Tensor) -> Tensor:
         """tokens [B, M], feats [B, M, E] (f_p, or the head's own prediction of it) or the base's
@@ -456,14 +513,14 @@ class Eagle3Head(EagleHead):
         self.lm_head.weight.copy_(self._base_rows(torch.float32).to(self.lm_head.weight.dtype))
         return self
 
-    def _step(self, tokens: Tensor, feats: Tensor, pos: int, mask: Tensor | None, start: int) -> Tensor:
+    def _step(self, tokens: Tensor, feats: Tensor, pos: int | Tensor, mask: Tensor | None,
+              start: int | Tensor) -> Tensor:
         """tokens [B, M]; feats: the base's [B, M, (n+1) E] (n fused layers, then the last, unread), or the
         head's own outputs [B, M, E] (later draft steps) -> outputs [B, M, E]."""
         e = self.cfg.dim
         hidden = feats if feats.shape[-1] == e else self.fc(feats[..., :self._check_width(feats) * e])  # [B, M, E]
         emb = self.base.tok_embeddings(tokens).to(hidden.dtype)  # [B, M, E]
-        cos, sin = _rope(self.cfg, pos, pos + hidden.shape[1], hidden.device, hidden.dtype)  # [M, 1, D]
-        return self.layers[0](emb, hidden, cos, sin, mask, start)
+        return self.layers[0](emb, hidden, *self._rope_at(pos, hidden), mask, start)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The head's outputs [..., E] -> draft logits [..., N] through its own norm and LM head."""

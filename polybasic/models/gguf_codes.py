@@ -147,14 +147,19 @@ def read_codes(path: str | Path) -> list[BlockCodes]:
 
 
 def coded_matvec(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor | None) -> Tensor:
-    """x [B, 1, K] fp32 times the expanded weight [N, K] transposed -> [B, 1, N].
+    """x [B, M, K] fp32 times the expanded weight [N, K] transposed -> [B, M, N].
 
     Written as multiply-and-sum (not a matmul) so inductor fuses the expansion into one reduction
-    that reads 1 byte per weight.
+    that reads 1 byte per weight. For M > 1 rows the output is produced transposed, [N, B*M], so the
+    fused loop runs over weight rows outside and token rows inside: each weight row is read from
+    memory once and reused from cache for every token row.
     """
     w = expand(codes, scale, minimum)  # [N, K/32, 32]
-    b = x.shape[0]
-    return (w * x.reshape(b, 1, *codes.shape[1:])).sum((-1, -2)).unsqueeze(1)  # [B, 1, N]
+    b, m = x.shape[0], x.shape[1]
+    if m == 1:
+        return (w * x.reshape(b, 1, *codes.shape[1:])).sum((-1, -2)).unsqueeze(1)  # [B, 1, N]
+    y = (w.unsqueeze(1) * x.reshape(1, b * m, *codes.shape[1:])).sum((-1, -2))  # [N, B*M]
+    return y.t().reshape(b, m, -1)
 
 
 def _row_keys(w: Tensor) -> list[int]:
@@ -235,6 +240,7 @@ def _realized(x: Tensor) -> Tensor:
 
 
 ROW_INVARIANT_DTYPES = (torch.bfloat16, torch.float16)
+CODED_ROWS = 1  # compiled steps of up to this many token rows read the block codes (see coded_matvec)
 
 
 def project(lin: nn.Module, x: Tensor) -> Tensor:
@@ -247,9 +253,9 @@ def project(lin: nn.Module, x: Tensor) -> Tensor:
     what its k-token verification gives for the same row, or greedy chains drift from vanilla on
     near-ties; padding costs nothing measurable on memory-bound models (the weights are read once).
     """
-    codes = getattr(lin, "codes", None)
-    if codes is not None and x.shape[-2] == 1 and x.dim() == 3 and torch.compiler.is_compiling():
-        y = coded_matvec(_realized(x), codes, lin.code_scale, lin.code_min)  # [B, 1, N]
+    codes = getattr(lin, "codes", None)  # a Tensor buffer from attach_codes (QuantLinear.codes is a method)
+    if isinstance(codes, Tensor) and x.shape[-2] <= CODED_ROWS and x.dim() == 3 and torch.compiler.is_compiling():
+        y = coded_matvec(_realized(x), codes, lin.code_scale, lin.code_min)  # [B, M, N]
         return y if lin.bias is None else y + lin.bias
     if (x.numel() == x.shape[-1] and x.dim() >= 2 and x.dtype in ROW_INVARIANT_DTYPES
             and x.device.type == "cpu" and type(lin) is nn.Linear):

@@ -1,11 +1,11 @@
 """Per-device preparation of a loaded model: the layouts and kernels each device runs fastest,
 chosen once at load time instead of by branches in `forward`.
 
-CPU: fp32 linears in the transposed decode layout (see llama.use_decode_layout); quantized linears
+CPU: fp32 linears in the transposed decode layout (see decoder.use_decode_layout); quantized linears
 bind their CPU kernels (int4pack's CPU packing, and a dequantized GEMM for long bf16 prefills, see
-quant.linear); the compiled one-token step reads the GGUF's block codes and uses inductor's C++
-wrapper. CUDA: plain contiguous layouts and the CUDA kernels; no compiled step yet (CUDA graphs are
-future work, so asking for one there is a clear error rather than an untested path).
+quant.linear); compiled steps (models.static) read the GGUF's block codes in one-token steps and use
+inductor's C++ wrapper. CUDA: plain contiguous layouts and the CUDA kernels; compiled steps are
+captured as CUDA graphs.
 """
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from torch import nn
 
 from polybasic.errors import ConfigError
 from polybasic.models.decoder import use_decode_layout
+from polybasic.models.eagle_head import EagleHead
+
 
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}  # the C++ wrapper cuts the compiled CPU step's Python overhead
+COMPILED_DEVICES = ("cpu", "cuda")
 
 
 def prepare_for_device(model: nn.Module) -> nn.Module:
@@ -26,17 +29,27 @@ def prepare_for_device(model: nn.Module) -> nn.Module:
     return use_decode_layout(model)
 
 
-def compile_for_device(model, gguf: str | Path | None = None, flag: str = "--compile") -> int:
-    """Compile `model`'s one-token step the way its device supports; returns how many linears read
-    GGUF block codes (CPU only). On CUDA: a ConfigError naming `flag` (not built yet)."""
-    check_compilable(model.device, flag)
-    return model.compile_decode(gguf, CPU_INDUCTOR_OPTIONS)
+def inductor_options(device: str | torch.device) -> dict | None:
+    """The inductor options compiled steps use on `device`."""
+    return CPU_INDUCTOR_OPTIONS if torch.device(device).type == "cpu" else None
+
+
+def compile_for_device(model, gguf: str | Path | None = None, flag: str = "--compile", sizes=None,
+                       notify=None) -> int:
+    """Run every forward of `model` (a lean decoder or an EAGLE head) through static-shape compiled steps
+    (models.static) the way its device supports; returns how many linears read GGUF block codes."""
+    device = model.fc.weight.device if isinstance(model, EagleHead) else model.device
+    check_compilable(device, flag)
+    if isinstance(model, EagleHead):
+        model.compile_steps(inductor_options(device), sizes, notify)
+        return 0
+    return model.compile_steps(gguf, inductor_options(device), sizes, notify)
 
 
 def check_compilable(device: str | torch.device, flag: str = "--compile") -> None:
-    """Raise a ConfigError naming `flag` unless the compiled step is prepared for `device` (cheap: call
-    it before loading anything)."""
+    """Raise a ConfigError naming `flag` unless compiled steps are prepared for `device` (cheap: call it
+    before loading anything)."""
     dev = torch.device(device)
-    if dev.type != "cpu":
-        raise ConfigError(f"{flag}: the compiled one-token step is prepared for the CPU only (on {dev} it "
-                          "would need CUDA graphs and static caches, not built yet); drop it on this device")
+    if dev.type not in COMPILED_DEVICES:
+        raise ConfigError(f"{flag}: compiled steps are prepared for {' and '.join(COMPILED_DEVICES)}, not "
+                          f"{dev.type}; drop it on this device")

@@ -24,7 +24,6 @@ from tests.helpers import lean_from_hf, tiny_hf_llama
     (["--temperature", "-1"], "temperature"),
     (["--per-category", "0"], "per_category"),
     (["--categories", "nope"], "categories: unknown nope"),
-    (["--methods", "vanilla-compiled", "--warmup", "0"], "warmup: vanilla-compiled compiles on its first"),
 ])
 def test_bad_input_fails_before_loading(questions_file, capsys, argv, words):
     rc = main(["bench", "--model", "/nonexistent", "--questions", str(questions_file), *argv])
@@ -82,7 +81,7 @@ def test_runners_agree_with_vanilla_at_greedy():
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     ref = make_runner("vanilla", ctx)(prompt, 0)
     assert 0 < len(ref.tokens) <= 12 and ref.wall_s > 0 and ref.tau is None
-    for name in ("hf", "hf-pld", "pld", "vanilla-compiled"):
+    for name in ("hf", "hf-pld", "pld", "vanilla-compiled", "pld-compiled", "chain-compiled:target+ngram"):
         out = make_runner(name, ctx)(prompt, 0)
         assert out.tokens == ref.tokens, name
     assert make_runner("pld", ctx)(prompt, 0).tau >= 1.0

@@ -168,13 +168,11 @@ def test_decode_layout_makes_a_bf16_copy_of_a_transposed_model_contiguous(pair):
 
 
 def test_compiled_decode_matches_transformers_and_eager_greedy():
-    """torch.compile'd one-token steps (symbolic start) give transformers' logits and the same
-    greedy tokens as the eager decoder; compiled models round cache sizes up to few buckets."""
-    from torch._dynamo.utils import counters
-
+    """Compiled static-shape steps (positions as data, so start varies without a new graph) give
+    transformers' logits and the same greedy tokens as the eager decoder; compiled models round cache
+    sizes up to few buckets."""
     from polybasic.runtime.generate import generate_tokens
 
-    counters.clear()
     hf = tiny_hf_llama(tie=True)
     lean, compiled = lean_from_hf(hf), lean_from_hf(hf)
     compile_for_device(compiled)
@@ -186,7 +184,7 @@ def test_compiled_decode_matches_transformers_and_eager_greedy():
         compiled(ids[:, :20], 0)
         steps = [compiled(ids[:, i:i + 1], i)[0] for i in range(20, 30)]  # start varies every call
     torch.testing.assert_close(torch.cat(steps, dim=1), ref[:, 20:30])
-    assert counters["frames"]["ok"] >= 1  # the steps did go through dynamo
+    assert compiled._static.calls >= 11  # the prefill's chunks and the steps went through the compiled steps
     for n_prompt in (7, 25):
         prompt = ids[0, :n_prompt].tolist()
         assert list(generate_tokens(compiled, prompt, 16)) == list(generate_tokens(lean, prompt, 16))

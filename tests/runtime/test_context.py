@@ -73,12 +73,13 @@ def test_cli_device_errors_exit_2_before_loading(argv, folder, no_cuda, capsys, 
     assert err.startswith("error: --device: ") and "Traceback" not in err
 
 
-def test_compiled_step_is_cpu_only():
+def test_compiled_steps_are_for_cpu_and_cuda():
     check_compilable("cpu")
-    with pytest.raises(ConfigError, match="^--compile: .*CPU only"):
-        check_compilable("cuda:0")
+    check_compilable("cuda:0")  # captured as CUDA graphs
+    with pytest.raises(ConfigError, match="^--compile: .*not mps"):
+        check_compilable("mps")
     with pytest.raises(ConfigError, match="^--methods vanilla-compiled: "):
-        check_compilable("cuda", "--methods vanilla-compiled")
+        check_compilable("meta", "--methods vanilla-compiled")
 
 
 def test_recipe_device_is_parsed_then_checked_when_it_runs(tmp_path, no_cuda):

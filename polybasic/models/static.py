@@ -1,0 +1,121 @@
+"""Static-shape compiled steps: one `torch.compile`d function per fixed token count.
+
+A compiled step sees only fixed shapes: M, padded up to the next of a few sizes (`STEP_SIZES`; past the
+second largest, to the largest: a prefill's chunk), the positions of its rows as a tensor [M] (not an
+int, so a new position is new data, not a new graph),
+and the whole preallocated KV cache [B, G, S, D] with a mask [M, S] of the rows each may see. Padding
+rows sit at the positions after the real ones: they write cache rows no real row sees yet, which the
+next call overwrites before reading (rollback is a smaller start; nothing is reallocated). A run
+longer than the largest size goes in chunks of it (a long prefill).
+
+So each size compiles once, inductor caches it on disk (TORCHINDUCTOR_CACHE_DIR, by default
+/tmp/torchinductor_$USER) and the next process loads it in seconds; on CUDA the same graphs are
+captured as CUDA graphs (mode "reduce-overhead") and replayed, and their outputs are copied out
+before the next replay overwrites them. The CPU runs the same code path without the capture.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from polybasic.errors import check
+
+log = logging.getLogger(__name__)
+
+STEP_SIZES = (1, 2, 4, 8, 12, 16, 64)  # token counts a step is compiled for (sizes=None); the largest: prefill chunks
+
+
+def cache_dir() -> str:
+    """Where inductor keeps compiled steps across runs ($TORCHINDUCTOR_CACHE_DIR, torch's default
+    /tmp/torchinductor_$USER when unset)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir  # start-up time
+
+    return inductor_cache_dir()
+
+
+def check_sizes(sizes, field: str = "step sizes") -> tuple[int, ...]:
+    """The sorted distinct sizes; a ConfigError naming `field` unless they are positive and include 1."""
+    sizes = tuple(sorted(set(int(s) for s in sizes)))
+    check(bool(sizes) and sizes[0] == 1, field, f"{list(sizes)} must include 1 (the one-token step)",
+          "e.g. 1,2,4,8,16,64")
+    return sizes
+
+
+def compile_mode(device: torch.device) -> str | None:
+    """torch.compile's mode for a step on `device`: CUDA graphs on CUDA, plain inductor elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" else None
+
+
+class StaticSteps:
+    """`fn(*args)` compiled for fixed shapes, with the first call of each shape timed as compile time.
+
+    fn's first argument has the padded token count M in dim 1; `key` (any hashable naming the shapes,
+    e.g. (B, M, last_only)) decides when a call is the first of its kind. `notify(message)` is told
+    before each first call (a user's first generate says it is compiling).
+    """
+
+    def __init__(self, fn: Callable, name: str, sizes=None, device: torch.device | None = None,
+                 options: dict | None = None, notify: Callable[[str], None] | None = None) -> None:
+        limit = getattr(torch._dynamo.config, "recompile_limit", None)
+        if limit is not None and limit < 64:  # one graph per size, batch and variant: more than dynamo's 8
+            torch._dynamo.config.recompile_limit = 64
+        self.sizes = check_sizes(sizes or STEP_SIZES)  # read at call time: a test suite may shrink it
+        self.name = name
+        self.device = torch.device(device or "cpu")
+        self.mode = compile_mode(self.device)
+        self.fn = torch.compile(fn, dynamic=False, mode=self.mode, options=None if self.mode else options)
+        self.notify = notify or log.info
+        self.seen: set = set()
+        self.compile_s = 0.0  # wall time of first calls (compile + one run)
+        self.compiles = 0
+        self.calls = 0
+
+    def __deepcopy__(self, memo) -> None:
+        """A deep copy of a compiled model is eager (its steps here are bound to the original's forward)."""
+        return None
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    def bucket(self, m: int) -> int:
+        """The padded token count for m <= largest real tokens: the next size up, except that a run
+        longer than the second largest size (a prefill's last chunk) takes the largest, so that prefills
+        of any length use one graph."""
+        return next(s for s in self.sizes if s >= m) if len(self.sizes) < 2 or m <= self.sizes[-2] else self.sizes[-1]
+
+    def __call__(self, key, *args):
+        self.calls += 1
+        if key in self.seen:
+            out = self.fn(*args)
+        else:
+            self.notify(f"compiling {self.name}'s {key} step (first use; cached in {cache_dir()})")
+            t0 = time.perf_counter()
+            out = self.fn(*args)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.compile_s += time.perf_counter() - t0
+            self.compiles += 1
+            self.seen.add(key)
+        if self.mode == "reduce-overhead":  # the next replay overwrites a graph's outputs
+            out = tuple(t.clone() for t in out)
+        return out
+
+
+def positions(start: int, n: int, device) -> Tensor:
+    """[n] long: start, start+1, ..."""
+    return torch.arange(start, start + n, dtype=torch.long, device=device)
+
+
+def pad_rows(x: Tensor, n: int) -> Tensor:
+    """x [B, M, ...] -> a new [B, n, ...] with zero rows appended (n >= M), always freshly laid out: a
+    compiled step is specialised on its inputs' strides, and a slice of a longer prompt has its own
+    (a new graph per prompt length)."""
+    out = x.new_zeros(x.shape[0], n, *x.shape[2:])
+    out[:, :x.shape[1]] = x
+    return out

@@ -1,0 +1,176 @@
+"""Chains whose every level runs compiled static-shape steps (models.static) stay lossless: greedy output
+equals the target's own greedy decoding, sampled output follows the target's distribution (chi-square),
+for dense, quantized (int4pack, int8mm) and EAGLE-head levels, with rejections, and so rollbacks, at
+every depth. The step sizes are kept small (1, 4, 8) so that prompts run in padded chunks too."""
+import copy
+
+import pytest
+import torch
+
+from polybasic.config import QuantConfig, SamplingConfig
+from polybasic.models.eagle_head import DrafterConfig, make_head
+from polybasic.quant.api import quantize_
+from polybasic.runtime.chain import Chain
+from polybasic.runtime.compiled import compile_levels
+from polybasic.runtime.eagle_level import EagleLevel
+from polybasic.runtime.generate import generate_tokens
+from polybasic.runtime.levels import ModelLevel, NGramLevel
+from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf_llama
+from tests.runtime.test_chain_distribution import KW as DKW
+from tests.runtime.test_chain_distribution import P_MIN, PROMPT, N, V, exact_joint
+from tests.stat_utils import chain_sample_counts, chi_square_pvalue
+
+SIZES = (1, 4, 8)  # as the suite's default (conftest), named here since the tests rely on it
+KW = dict(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.2)
+MAX_LEN = 128
+
+
+def head_on(model, arch: str, seed: int):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_base(model.args, arch=arch, **({"feature_layers": (0,)} if arch == "eagle3" else {}))
+    head = make_head(cfg).bind(model)
+    with torch.no_grad():  # a head that sometimes agrees with its base: random but not silent
+        for p in head.parameters():
+            p.normal_(0.0, 0.05)
+    return head.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_llama(seed=0, **KW)
+
+
+def level_models(hf):
+    """Fresh levels (compiling changes a model for good): the target, two dense copies, two quantized."""
+    target, close, far = lean_from_hf(hf), lean_from_hf(perturbed_copy(hf, 0.02, 1)), lean_from_hf(perturbed_copy(hf, 0.06, 2))
+    q4 = quantize_(lean_from_hf(perturbed_copy(hf, 0.02, 1), torch.bfloat16),
+                   QuantConfig(w_bits=4, a_bits=16, group_size=32, kernel="int4pack"))
+    q8 = quantize_(lean_from_hf(hf), QuantConfig(w_bits=8, a_bits=8, group_size=-1, kernel="int8mm"))
+    return {"target": target, "close": close, "far": far, "q4": q4, "q8": q8}
+
+
+def build_levels(models, names):
+    levels = [ModelLevel(models["target"], "target")]
+    for n in names:
+        if n == "ngram":
+            levels.append(NGramLevel(max_ngram=2))
+        elif n.startswith("eagle"):
+            arch, _, on = n.partition("@")
+            base = next(lv for lv in levels if lv.name == on)
+            levels.append(EagleLevel(head_on(base.model, arch, seed=len(levels)), base, name=n))
+        else:
+            levels.append(ModelLevel(models[n], n))
+    return levels
+
+
+CHAINS = {  # names below the target, top to bottom
+    "dense-4": ["close", "far", "ngram"],
+    "int4pack-3": ["q4", "ngram"],
+    "int8mm-dense-3": ["q8", "far"],
+    "eagle1-on-middle": ["close", "eagle1@close"],
+    "eagle3-on-target": ["eagle3@target"],
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_compiled_greedy_chain_equals_target(hf, name):
+    models = level_models(hf)
+    eager_target = lean_from_hf(hf)
+    levels = build_levels(models, CHAINS[name])
+    assert compile_levels(levels, MAX_LEN, sizes=SIZES) > 0
+    target = models["target"]
+    chain = Chain(levels, k=3, thresholds=[5] * (len(levels) - 2), eos={1})
+    g = torch.Generator().manual_seed(7)
+    rejected = [False] * (len(levels) - 1)  # per link: a verification that rejected part of its draft
+    for trial in range(3):
+        prompt = torch.randint(2, 96, (14,), generator=g).tolist()
+        prompt += prompt[:5]  # 19 tokens: padded chunks of 8; a repeat for the n-gram level
+        ref = list(generate_tokens(target, prompt, 40, eos={1}))
+        assert ref == list(generate_tokens(eager_target, prompt, 40, eos={1})), "compiled vanilla drifted"
+        out, stats = chain.generate(prompt, 40)
+        assert out == ref, f"{name} trial {trial}"
+        for i, ln in enumerate(stats.links):
+            rejected[i] |= any(a < d for a, d in zip(ln.accepted, ln.drafted))
+    assert all(rejected), f"links without a rejection (no rollback exercised): {rejected}"
+    steps = [lv.model._static for lv in levels if isinstance(lv, ModelLevel)]
+    steps += [lv.head._static for lv in levels if isinstance(lv, EagleLevel)]
+    assert all(s is not None and s.calls > s.compiles for s in steps)  # every model level ran compiled steps
+
+
+def test_compiled_dense_chain_on_every_device(hf, device):
+    """The same compiled steps on every device: on CUDA they are captured as CUDA graphs (gpu marker)."""
+    target, close = lean_from_hf(hf).to(device), lean_from_hf(perturbed_copy(hf, 0.02, 1)).to(device)
+    eager = lean_from_hf(hf).to(device)
+    levels = [ModelLevel(target, "target"), ModelLevel(close, "close"), NGramLevel(max_ngram=2)]
+    compile_levels(levels, MAX_LEN, sizes=SIZES)
+    chain = Chain(levels, k=3, thresholds=[5], eos={1})
+    prompt = list(range(2, 21)) + list(range(2, 8))
+    ref = list(generate_tokens(eager, prompt, 40, eos={1}))
+    assert list(generate_tokens(target, prompt, 40, eos={1})) == ref
+    assert chain.generate(prompt, 40)[0] == ref
+
+
+def test_warm_steps_leave_nothing_to_compile(hf):
+    """After compile_levels, requests of any prompt length (chunks sliced from it, padded rows) and any
+    draft length run without a new compile: the first request after start-up is not a compile."""
+    from torch._dynamo.utils import counters
+
+    models = level_models(hf)
+    levels = build_levels(models, ["close", "eagle3@close"])
+    compile_levels(levels, MAX_LEN, sizes=SIZES)
+    chain = Chain(levels, k=3, thresholds=[5], eos={1})
+    before = counters["frames"]["ok"]
+    for n in (9, 17, 23, 40):  # longer than the largest size: slices of the prompt, each its own strides
+        prompt = [2 + (7 * i) % 90 for i in range(n)]
+        list(generate_tokens(models["target"], prompt, 12, eos={1}))
+        chain.generate(prompt, 12)
+    assert counters["frames"]["ok"] == before
+
+
+def test_compiled_steps_match_eager_at_every_size_and_rollback(hf):
+    """Logits and features of compiled steps equal eager ones (to float rounding) for every token count,
+    padded or chunked, including calls that roll back to an earlier position."""
+    eager, comp = lean_from_hf(hf), lean_from_hf(hf)
+    compile_levels([ModelLevel(comp)], MAX_LEN, sizes=SIZES)
+    eager.setup_caches(MAX_LEN)
+    ids = torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for start, m in [(0, 19), (19, 1), (20, 3), (23, 8), (21, 2), (23, 1), (24, 9), (10, 30)]:
+            a, ha = eager(ids[:, start:start + m], start)
+            b, hb = comp(ids[:, start:start + m], start)
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # fused kernels sum in another order
+            torch.testing.assert_close(hb, ha, rtol=1e-4, atol=1e-4)
+            a1, _ = eager(ids[:, start:start + m], start, last_only=True)
+            b1, _ = comp(ids[:, start:start + m], start, last_only=True)
+            torch.testing.assert_close(b1, a1, rtol=1e-4, atol=1e-4)
+
+
+SAMPLED = {"dense-3": ["mid", "small"], "eagle1": ["eagle1@target"]}
+
+
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_compiled_sampled_chain_matches_target(name):
+    hf = tiny_hf_llama(seed=10, **DKW)
+    models = {"target": lean_from_hf(hf), "mid": lean_from_hf(perturbed_copy(hf, 0.3, seed=11)),
+              "small": lean_from_hf(tiny_hf_llama(seed=13, **{**DKW, "hidden": 16}))}
+    levels = build_levels(models, SAMPLED[name])
+    compile_levels(levels, 64, sizes=SIZES)
+    sampling = SamplingConfig(temperature=1.0)
+    p1, joint = exact_joint(hf, sampling)
+    chain = Chain(levels, k=3, thresholds=[2] * (len(levels) - 2))
+    first, seqs = chain_sample_counts(chain, PROMPT, sampling, 4321, N, V)
+    assert chi_square_pvalue(first, p1) > P_MIN
+    assert chi_square_pvalue(seqs, joint) > P_MIN
+
+
+def test_a_copy_of_a_compiled_model_is_eager(hf):
+    """A deep copy (the bench copies the target per method) runs its own weights, eagerly: the compiled
+    steps stay bound to the original."""
+    model = lean_from_hf(hf)
+    compile_levels([ModelLevel(model)], MAX_LEN, sizes=SIZES)
+    twin = copy.deepcopy(model)
+    assert twin._static is None and model._static is not None
+    with torch.no_grad():
+        twin.output.weight.mul_(-1.0)  # tied: the embedding too
+    prompt = list(range(2, 20))
+    assert list(generate_tokens(twin, prompt, 8)) != list(generate_tokens(model, prompt, 8))
