@@ -16,7 +16,6 @@ before the next replay overwrites them. The CPU runs the same code path without 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
