@@ -108,6 +108,13 @@ def test_compiled_steps_read_the_codes_and_match_eager(tmp_path):
                 assert torch.equal(after, 2 * before)
             else:
                 assert not torch.allclose(after, before, rtol=1e-3, atol=1e-3)
+    with torch.inference_mode():  # a k-token verification step reads the codes too (up to CODED_ROWS rows)
+        ref3, got3 = lean(ids[:, 26:29], 26)[0], compiled(ids[:, 26:29], 26)[0]
+        compiled.output.code_scale.mul_(2.0)
+        twice = compiled(ids[:, 26:29], 26)[0]
+        compiled.output.code_scale.div_(2.0)
+    torch.testing.assert_close(got3, ref3)
+    assert torch.equal(twice, 2 * got3)
 
 
 # byte offsets of the f16 fields (scale d, minimum / dmin) inside one block of each type
