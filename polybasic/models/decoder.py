@@ -100,8 +100,9 @@ class Transformer(nn.Module):
         bit. Left-padded batches (key_mask) stay eager.
 
         gguf: the GGUF file the fp32 weights were expanded from. Its block codes are attached to the
-        CPU fp32 linears they reproduce exactly (see gguf_codes), and one-token steps read those, 1 byte
-        per weight instead of 4 (+~1.2 bytes per weight of memory). Returns how many linears read codes.
+        CPU fp32 linears they reproduce exactly (see gguf_codes), and steps of up to gguf_codes.CODED_ROWS
+        tokens read those, 1 byte per weight instead of 4 (+~1.2 bytes per weight of memory). Returns how
+        many linears read codes.
         options: inductor options (models.prepare.compile_for_device passes the device's).
         notify: told before each first compile (default: the log).
         """
