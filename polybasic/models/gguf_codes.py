@@ -1,4 +1,5 @@
-"""One-token steps that read a GGUF model's block codes instead of its expanded fp32 weights.
+"""Compiled steps (of up to CODED_ROWS tokens) that read a GGUF model's block codes instead of its
+expanded fp32 weights.
 
 A GGUF file stores most weights as blocks of codes sharing an f16 scale: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
 blocks of 32 (Q4_1/Q5_1 with an f16 minimum), and k-quant super-blocks of 256 whose sub-block
@@ -246,7 +247,7 @@ CODED_ROWS = 8  # compiled steps of up to this many token rows read the block co
 
 
 def project(lin: nn.Module, x: Tensor) -> Tensor:
-    """lin(x), except that a one-token step under torch.compile reads the block codes (if attached),
+    """lin(x), except that a step of up to CODED_ROWS rows under torch.compile reads the block codes (if attached),
     and that a single bf16/fp16 row on a CPU runs as two (a zero row added).
 
     Why two rows: CPU GEMMs in reduced precision give every row the same bits for any row count >= 2,
