@@ -60,8 +60,7 @@ class Transformer(nn.Module):
         rows = max_seq_len
         if self._static is not None:  # steps compile per cache size: few sizes, few compiles; padding
             # rows write up to `largest` rows past the sequence
-            max_seq_len = min(self.args.max_seq_len, max(256, 1 << (max_seq_len - 1).bit_length()))
-            rows = max_seq_len + self._static.largest
+            max_seq_len, rows = self._static.cache_rows(max_seq_len, self.args.max_seq_len)
         dev, dt = self.device, self.dtype
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(batch, self.args.n_kv_heads, rows, self.args.head_dim, dt, dev)
@@ -120,14 +119,9 @@ class Transformer(nn.Module):
         steps = self._static
         for size in steps.sizes:
             tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
-            self(tokens, 0)
-            if size in (1, steps.largest):
+            self(tokens, 0)  # one row's logits for size 1, all rows' for the others
+            if size == steps.largest:
                 self(tokens, 0, last_only=True)
-
-    @property
-    def compile_s(self) -> float:
-        """Seconds spent in first calls of compiled steps (compiling them), 0 when not compiled."""
-        return self._static.compile_s if self._static is not None else 0.0
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
                 key_mask: Tensor | None = None, tail: int | None = None) -> tuple[Tensor, Tensor]:
@@ -155,12 +149,9 @@ class Transformer(nn.Module):
         """forward through the compiled steps: chunks of the largest size, the last one padded."""
         steps, m = self._static, tokens.shape[1]
         logits, hidden = [], []
-        for a in range(0, m, steps.largest):
-            n = min(steps.largest, m - a)
-            size = steps.bucket(n)
+        for a, n, size, pos in steps.chunks(m, start, tokens.device):
             need = min(n, max(0, tail - (m - a - n)))  # rows of this chunk whose logits are wanted (its last)
             chunk = pad_rows(tokens[:, a:a + n], size)  # [B, size]
-            pos = positions(start + a, size, tokens.device)  # [size]
             # the LM head reads one row in one-token steps and prefill chunks (other sizes compute all rows'
             # logits: fewer graphs to compile, and their rows' logits are wanted anyway)
             one = need <= 1 and size in (1, steps.largest)

@@ -58,7 +58,7 @@ from polybasic.models.blocks import Attention, FeedForward, KVCache, RMSNorm
 from polybasic.models.decoder import Transformer
 from polybasic.models.families import block_for
 from polybasic.models.preflight import FIX_HEAD, corrupt_safetensors, safetensors_metadata
-from polybasic.models.static import StaticSteps, pad_rows, positions
+from polybasic.models.static import StaticSteps, pad_rows
 
 DRAFTER_VERSION = 2
 ARCHS = HEAD_ARCHS  # eagle1: EagleHead, eagle3: Eagle3Head
@@ -273,11 +273,10 @@ class EagleHead(nn.Module):
         p = self.fc.weight
         rows = max_seq_len
         if self._static is not None:
-            max_seq_len = max(256, 1 << (max_seq_len - 1).bit_length())
+            max_seq_len, rows = self._static.cache_rows(max_seq_len)
             kv = self.layers[0].attention.kv_cache
             if max_seq_len <= self.max_cache and getattr(kv, "k", None) is not None and kv.k.shape[0] == batch:
                 return  # the same buffers: the compiled steps keep their graphs (and CUDA graphs their addresses)
-            rows = max_seq_len + self._static.largest
             cos, sin = _rope(self.cfg, 0, rows, p.device, p.dtype)  # [S, 1, D]
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -330,11 +329,8 @@ class EagleHead(nn.Module):
 
     def _static_forward(self, tokens: Tensor, feats: Tensor, start: int) -> Tensor:
         """forward through the compiled steps: chunks of the largest size, the last one padded."""
-        steps, m, out = self._static, tokens.shape[1], []
-        for a in range(0, m, steps.largest):
-            n = min(steps.largest, m - a)
-            size = steps.bucket(n)
-            pos = positions(start + a, size, tokens.device)  # [size]
+        steps, out = self._static, []
+        for a, n, size, pos in steps.chunks(tokens.shape[1], start, tokens.device):
             key = (tokens.shape[0], size, feats.shape[-1])
             out.append(steps(key, pad_rows(tokens[:, a:a + n], size), pad_rows(feats[:, a:a + n], size), pos)[:, :n])
         return out[0] if len(out) == 1 else torch.cat(out, 1)  # [B, M, E]

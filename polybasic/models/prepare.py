@@ -3,8 +3,8 @@ chosen once at load time instead of by branches in `forward`.
 
 CPU: fp32 linears in the transposed decode layout (see decoder.use_decode_layout); quantized linears
 bind their CPU kernels (int4pack's CPU packing, and a dequantized GEMM for long bf16 prefills, see
-quant.linear); compiled steps (models.static) read the GGUF's block codes in one-token steps and use
-inductor's C++ wrapper. CUDA: plain contiguous layouts and the CUDA kernels; compiled steps are
+quant.linear); compiled steps (models.static) of up to gguf_codes.CODED_ROWS tokens read the GGUF's
+block codes, and use inductor's C++ wrapper. CUDA: plain contiguous layouts and the CUDA kernels; compiled steps are
 captured as CUDA graphs.
 """
 from __future__ import annotations

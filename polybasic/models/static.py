@@ -82,6 +82,21 @@ class StaticSteps:
     def largest(self) -> int:
         return self.sizes[-1]
 
+    def cache_rows(self, n: int, limit: int | None = None) -> tuple[int, int]:
+        """Sequences of up to n tokens -> (the usable length: a power of two >= 256, at most `limit`; the
+        rows to allocate: that plus the padding rows of the largest step). Few sizes, few graphs."""
+        usable = max(256, 1 << (n - 1).bit_length())
+        usable = usable if limit is None else min(limit, usable)
+        return usable, usable + self.largest
+
+    def chunks(self, m: int, start: int, device):
+        """The steps that run m tokens from position `start`: (offset, real rows n, padded size, positions
+        [size]) per chunk of at most the largest size."""
+        for a in range(0, m, self.largest):
+            n = min(self.largest, m - a)
+            size = self.bucket(n)
+            yield a, n, size, positions(start + a, size, device)
+
     def bucket(self, m: int) -> int:
         """The padded token count for m <= largest real tokens: the next size up, except that a run
         longer than the second largest size (a prefill's last chunk) takes the largest, so that prefills
@@ -102,7 +117,7 @@ class StaticSteps:
             self.compiles += 1
             self.seen.add(key)
         if self.mode == "reduce-overhead":  # the next replay overwrites a graph's outputs
-            out = tuple(t.clone() for t in out)
+            out = out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
         return out
 
 
