@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-tokens", type=int, default=8, help="k of the n-gram / prompt-lookup drafts")
     p.add_argument("--step-sizes", default=None, metavar="N,N",
                    help="*-compiled methods: the token counts their steps are compiled for, 1 first, the largest "
-                        "the prefill chunk (default: 1,2,4,8,12,16,64); fewer sizes compile faster")
+                        "the prefill chunk (default: 1,2,4,8,12,16,64 on the CPU, 1,16,128 on CUDA); fewer sizes compile faster")
     p.add_argument("--thresholds", default=None, metavar="N,N",
                    help="chain:SPEC and chain-compiled:SPEC: how many tokens each middle level accumulates before "
                         "handing them up, one per middle level (default: k + 1 each)")

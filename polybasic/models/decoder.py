@@ -117,11 +117,12 @@ class Transformer(nn.Module):
         steps that read one row's, so that no compile lands inside a timed or latency-critical call.
         Writes garbage to cache rows the next generation overwrites; needs setup_caches first."""
         steps = self._static
-        for size in steps.sizes:
-            tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
-            self(tokens, 0)  # one row's logits for size 1, all rows' for the others
-            if size == steps.largest:
-                self(tokens, 0, last_only=True)
+        for _ in range(steps.warm_runs):
+            for size in steps.sizes:
+                tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
+                self(tokens, 0)  # one row's logits for size 1, all rows' for the others
+                if size == steps.largest:
+                    self(tokens, 0, last_only=True)
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
                 key_mask: Tensor | None = None, tail: int | None = None) -> tuple[Tensor, Tensor]:

@@ -298,7 +298,7 @@ class EagleHead(nn.Module):
         the head's own E), so that no compile lands inside a timed or latency-critical call. Writes
         garbage to cache rows the next generation overwrites; needs setup_caches first."""
         p = self.fc.weight
-        for size in self._static.sizes:
+        for size in [s for s in self._static.sizes for _ in range(self._static.warm_runs)]:
             for w in widths:
                 self(torch.zeros(1, size, dtype=torch.long, device=p.device),
                      torch.zeros(1, size, w, dtype=p.dtype, device=p.device), 0)

@@ -27,6 +27,15 @@ from polybasic.errors import check
 log = logging.getLogger(__name__)
 
 STEP_SIZES = (1, 2, 4, 8, 12, 16, 64)  # token counts a step is compiled for (sizes=None); the largest: prefill chunks
+# On CUDA a step is a graph replay whose cost hardly grows with M (SmolLM2-shaped, H200: 2.08 ms at M=1,
+# 3.06 ms at M=16) while each size costs ~25 s to compile and capture: fewer sizes, and longer prefill
+# chunks (docs/results.md, H200 2026-11-26: 352 -> 375 tok/s with 1,16 -> 1,16,128)
+CUDA_STEP_SIZES = (1, 16, 128)
+
+
+def default_sizes(device: torch.device) -> tuple[int, ...]:
+    """The step sizes compiled when none are given, read at call time (a test suite may shrink them)."""
+    return CUDA_STEP_SIZES if device.type == "cuda" else STEP_SIZES
 
 
 def cache_dir() -> str:
@@ -63,9 +72,9 @@ class StaticSteps:
         limit = getattr(torch._dynamo.config, "recompile_limit", None)
         if limit is not None and limit < 64:  # one graph per size, batch and variant: more than dynamo's 8
             torch._dynamo.config.recompile_limit = 64
-        self.sizes = check_sizes(sizes or STEP_SIZES)  # read at call time: a test suite may shrink it
-        self.name = name
         self.device = torch.device(device or "cpu")
+        self.sizes = check_sizes(sizes or default_sizes(self.device))
+        self.name = name
         self.mode = compile_mode(self.device)
         self.fn = torch.compile(fn, dynamic=False, mode=self.mode, options=None if self.mode else options)
         self.notify = notify or log.info
@@ -77,6 +86,12 @@ class StaticSteps:
     def __deepcopy__(self, memo) -> None:
         """A deep copy of a compiled model is eager (its steps here are bound to the original's forward)."""
         return None
+
+    @property
+    def warm_runs(self) -> int:
+        """Calls per shape that make it steady: CUDA graph trees run a new graph eagerly once, record it on
+        the second call and replay it from the third; elsewhere the first call compiles and that is all."""
+        return 3 if self.mode == "reduce-overhead" else 1
 
     @property
     def largest(self) -> int:

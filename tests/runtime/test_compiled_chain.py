@@ -110,6 +110,32 @@ def test_compiled_dense_chain_on_every_device(hf, device):
     assert chain.generate(prompt, 40)[0] == ref
 
 
+def test_compiled_eagle_chain_on_every_device(hf, device):
+    """An EAGLE head on a compiled target, on every device: greedy identity with rejections, no compile
+    after warm-up, and on CUDA every step a CUDA graph (inductor skipped none)."""
+    from torch._dynamo.utils import counters
+
+    models = {"target": lean_from_hf(hf).to(device)}
+    levels = build_levels(models, ["eagle3@target"])
+    levels[1].head.to(device)
+    eager = lean_from_hf(hf).to(device)
+    skips = counters["inductor"]["cudagraph_skips"]  # inductor decides at compile time
+    compile_levels(levels, MAX_LEN, sizes=SIZES)
+    chain = Chain(levels, k=3, eos={1})
+    before = counters["frames"]["ok"]
+    g = torch.Generator().manual_seed(3)
+    rejected = False
+    for n in (11, 19):
+        prompt = torch.randint(2, 96, (n,), generator=g).tolist()
+        ref = list(generate_tokens(eager, prompt, 30, eos={1}))
+        out, stats = chain.generate(prompt, 30)
+        assert out == ref
+        rejected |= any(a < d for a, d in zip(stats.links[0].accepted, stats.links[0].drafted))
+    assert rejected, "no rejection: rollback not exercised"
+    assert counters["frames"]["ok"] == before, "a step compiled after warm-up"
+    assert counters["inductor"]["cudagraph_skips"] == skips, "inductor ran a step without a CUDA graph"
+
+
 def test_warm_steps_leave_nothing_to_compile(hf):
     """After compile_levels, requests of any prompt length (chunks sliced from it, padded rows) and any
     draft length run without a new compile: the first request after start-up is not a compile."""
