@@ -134,17 +134,20 @@ def _parse(kind: str, raw: np.ndarray, n: int, k: int) -> BlockCodes:
 
 def read_codes(path: str | Path) -> list[BlockCodes]:
     """Every 2-D tensor of a GGUF file in one of BLOCK_QUANT_TYPES (F16/F32 and others keep their fp32 weights)."""
-    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from polybasic.models.gguf_index import read_tensor_infos
 
     out = []
-    for t in GGUFReader(str(path)).tensors:
-        kind = t.tensor_type.name
-        if kind not in BLOCK_QUANT_TYPES or len(t.shape) != 2:
+    for t in read_tensor_infos(path):
+        if t.kind not in BLOCK_QUANT_TYPES or len(t.shape) != 2:
             continue
-        k, n = (int(s) for s in t.shape)  # GGUF lists the contiguous dim first
-        block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
-        out.append(_parse(kind, np.asarray(t.data, dtype=np.uint8).reshape(-1, block_bytes), n, k))
+        k, n = t.shape  # GGUF lists the contiguous dim first
+        out.append(_parse(t.kind, t.data.reshape(n * k // _block_values(t.kind), -1), n, k))
     return out
+
+
+def _block_values(kind: str) -> int:
+    """Values per block of a GGUF block type (32, or 256 for the k-quants)."""
+    return 256 if kind.endswith("_K") else BLOCK
 
 
 def coded_matvec(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor | None) -> Tensor:
@@ -163,41 +166,71 @@ def coded_matvec(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor | None
     return y.t().reshape(b, m, -1)
 
 
-def _row_keys(w: Tensor) -> list[int]:
+def _row_keys(w: Tensor, sample: bool = False) -> list[int]:
+    """A hash per row of w [N, K]: of all its values, or with `sample` of its first and last BLOCK values
+    only (cheap; equal keys then name candidate rows, which the caller must check whole)."""
+    if sample:
+        w = torch.cat([w[:, :BLOCK], w[:, -BLOCK:]], 1)
     a = w.detach().contiguous().numpy()
     return [hash(row.tobytes()) for row in a]
 
 
+def _sampled(t: BlockCodes) -> Tensor:
+    """[N, 2 * BLOCK] fp32: the expanded first and last BLOCK values of every row of t (_row_keys' sample)."""
+    n = max(1, BLOCK // t.codes.shape[-1])  # groups per BLOCK values
+    ends = [slice(0, n), slice(-n, None)]
+    mins = [None if t.minimum is None else t.minimum[:, e] for e in ends]
+    return torch.cat([expand(t.codes[:, e], t.scale[:, e], m).flatten(1) for e, m in zip(ends, mins)], 1)
+
+
 def _stack_rows(tensors: list[BlockCodes], rows: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Rows of (possibly differently coded) tensors as one BlockCodes layout, same fp32 values.
+    """Row i is rows[i] of tensors[i]: the rows of (possibly differently coded) tensors as one
+    BlockCodes layout, same fp32 values.
 
     A fused linear may mix block types (Q4_K_M stores some v or down projections as Q6_K): the
     common layout takes the smallest group (a group of 32 becomes two of 16 with the same scale),
     int8 codes if any row is signed (unsigned codes here are < 32) and a zero minimum for rows
-    without one (w + 0.0 == w).
+    without one (w + 0.0 == w). Rows are gathered per source tensor, not one by one.
     """
     group = min(t.codes.shape[-1] for t in tensors)
     signed = any(t.codes.dtype == torch.int8 for t in tensors)
     with_min = any(t.minimum is not None for t in tensors)
-    codes, scale, minimum = [], [], []
-    for t, r in zip(tensors, rows):
+    first = tensors[0]
+    n, k = len(rows), first.codes.shape[1] * first.codes.shape[2]
+    codes = torch.empty(n, k // group, group, dtype=torch.int8 if signed else first.codes.dtype)
+    scale = torch.empty(n, k // group, 1)
+    minimum = torch.zeros(n, k // group, 1) if with_min else None
+    by_tensor: dict[int, tuple[BlockCodes, list[int], list[int]]] = {}  # id -> (tensor, out rows, its rows)
+    for i, (t, r) in enumerate(zip(tensors, rows)):
+        by_tensor.setdefault(id(t), (t, [], []))[1].append(i)
+        by_tensor[id(t)][2].append(r)
+    for t, out_rows, src_rows in by_tensor.values():
+        at, src = torch.tensor(out_rows), torch.tensor(src_rows)
         rep = t.codes.shape[-1] // group
-        split = (lambda a: a.repeat_interleave(rep, 0)) if rep > 1 else (lambda a: a)  # noqa: E731
-        c, sc = t.codes[r].reshape(-1, group), split(t.scale[r])  # [K/g, g], [K/g, 1]
-        codes.append(c.to(torch.int8) if signed else c)
-        scale.append(sc)
-        if with_min:
-            minimum.append(split(t.minimum[r]) if t.minimum is not None else torch.zeros_like(sc))
-    return torch.stack(codes), torch.stack(scale), torch.stack(minimum) if with_min else None
+        split = (lambda a: a.repeat_interleave(rep, 1)) if rep > 1 else (lambda a: a)  # noqa: E731
+        codes[at] = t.codes[src].reshape(len(src_rows), -1, group).to(codes.dtype)
+        scale[at] = split(t.scale[src])
+        if t.minimum is not None:
+            minimum[at] = split(t.minimum[src])
+    return codes, scale, minimum
 
 
-def row_index(tensors: list[BlockCodes]) -> dict[int, tuple[int, int]]:
-    """{hash of a row's expanded fp32 values: (index in tensors, row)}, the first of equal rows."""
+def row_index(tensors: list[BlockCodes], sample: bool = False) -> dict[int, tuple[int, int]]:
+    """{hash of a row's expanded fp32 values (see _row_keys): (index in tensors, row)}, the first of equal rows."""
     where: dict[int, tuple[int, int]] = {}
     for ti, t in enumerate(tensors):
-        for ri, key in enumerate(_row_keys(t.dequantize())):
+        for ri, key in enumerate(_row_keys(_sampled(t) if sample else t.dequantize())):
             where.setdefault(key, (ti, ri))
     return where
+
+
+def _checked(weight: Tensor, tensors: list[BlockCodes], hits: list) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """The codes of the rows `hits` [(tensor, row) per weight row] in one layout, if every row was found
+    and they expand to `weight` bit for bit; else None."""
+    if not hits or None in hits:
+        return None
+    codes, scale, minimum = _stack_rows([tensors[t] for t, _ in hits], [r for _, r in hits])
+    return (codes, scale, minimum) if torch.equal(BlockCodes(codes, scale, minimum).dequantize(), weight) else None
 
 
 def attach_codes(model: nn.Module, path: str | Path) -> int:
@@ -212,18 +245,20 @@ def attach_codes(model: nn.Module, path: str | Path) -> int:
     if not linears:
         return 0
     tensors = read_codes(path)
-    where = row_index(tensors)
+    where = row_index(tensors, sample=True)  # candidate rows by a sample of each row; checked whole below
     done = 0
     for lin in linears:
-        hits = [where.get(key) for key in _row_keys(lin.weight)]
-        if None in hits:
+        keys = _row_keys(lin.weight, sample=True)
+        found = _checked(lin.weight, tensors, [where.get(key) for key in keys])
+        if found is None and any(key in where for key in keys):  # rows with alike ends: look again by
+            wanted = set(keys)  # whole rows, among every tensor with a row of one of these samples
+            named = [i for i, t in enumerate(tensors) if wanted.intersection(_row_keys(_sampled(t)))]
+            whole = {k: (named[t], r) for k, (t, r) in row_index([tensors[i] for i in named]).items()}
+            found = _checked(lin.weight, tensors, [whole.get(key) for key in _row_keys(lin.weight)])
+        if found is None:
             continue
-        codes, scale, minimum = _stack_rows([tensors[t] for t, _ in hits], [r for _, r in hits])
-        if not torch.equal(BlockCodes(codes, scale, minimum).dequantize(), lin.weight):
-            continue
-        lin.register_buffer("codes", codes, persistent=False)
-        lin.register_buffer("code_scale", scale, persistent=False)
-        lin.register_buffer("code_min", minimum, persistent=False)
+        for name, buf in zip(("codes", "code_scale", "code_min"), found):
+            lin.register_buffer(name, buf, persistent=False)
         done += 1
     log.info("GGUF block codes attached to %d of %d linears", done, len(linears))
     return done

@@ -243,3 +243,25 @@ def test_tiny_qwen2_gguf_with_k_quants_loads_and_steps_read_its_codes(tmp_path, 
     # the fused coded matvec sums in another order than BLAS (compile_decode's contract): float
     # rounding only, on logits of magnitude ~1-10 here
     torch.testing.assert_close(steps, want[:, 16:24], rtol=1e-4, atol=1e-4)
+
+
+def test_rows_with_alike_ends_are_told_apart_by_their_whole_values(tmp_path):
+    """attach_codes looks rows up by their first and last 32 values, then checks them whole: a row of
+    another tensor with the same ends but another middle (found first) must not stop the right one."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2, 4 * BLOCK)).astype(np.float32)
+    decoy = w.copy()
+    decoy[:, BLOCK:2 * BLOCK] += 1.0  # same ends, another middle block
+    writer = GGUFWriter(str(tmp_path / "alike.gguf"), "llama")
+    for name, rows in (("decoy", decoy), ("real", w)):  # the decoy is indexed first
+        writer.add_tensor(name, quantize(rows, Q.Q8_0), raw_dtype=Q.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    lin = torch.nn.Linear(4 * BLOCK, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(_expand(w, "Q8_0")[1]))
+    model = torch.nn.Sequential(lin)
+    assert attach_codes(model, tmp_path / "alike.gguf") == 1
+    assert torch.equal(gguf_codes.BlockCodes(lin.codes, lin.code_scale, lin.code_min).dequantize(), lin.weight)
