@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from polybasic.models.gguf_index import read_tensor_infos
+
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # values per block in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (and per sub-block in Q4_K, Q5_K)
@@ -134,8 +136,6 @@ def _parse(kind: str, raw: np.ndarray, n: int, k: int) -> BlockCodes:
 
 def read_codes(path: str | Path) -> list[BlockCodes]:
     """Every 2-D tensor of a GGUF file in one of BLOCK_QUANT_TYPES (F16/F32 and others keep their fp32 weights)."""
-    from polybasic.models.gguf_index import read_tensor_infos
-
     out = []
     for t in read_tensor_infos(path):
         if t.kind not in BLOCK_QUANT_TYPES or len(t.shape) != 2:
