@@ -297,11 +297,12 @@ class EagleHead(nn.Module):
         """Compile every step size now (each once per feature width in `widths`: the base's [(n+1) E],
         the head's own E), so that no compile lands inside a timed or latency-critical call. Writes
         garbage to cache rows the next generation overwrites; needs setup_caches first."""
-        p = self.fc.weight
-        for size in [s for s in self._static.sizes for _ in range(self._static.warm_runs)]:
-            for w in widths:
-                self(torch.zeros(1, size, dtype=torch.long, device=p.device),
-                     torch.zeros(1, size, w, dtype=p.dtype, device=p.device), 0)
+        p, steps = self.fc.weight, self._static
+        for _ in range(steps.warm_runs):
+            for size in steps.sizes:
+                for w in widths:
+                    self(torch.zeros(1, size, dtype=torch.long, device=p.device),
+                         torch.zeros(1, size, w, dtype=p.dtype, device=p.device), 0)
 
     def _static_step(self, tokens: Tensor, feats: Tensor, pos: Tensor) -> Tensor:
         return self._step(tokens, feats, pos, self.causal_mask[pos], pos)

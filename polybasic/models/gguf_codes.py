@@ -141,13 +141,8 @@ def read_codes(path: str | Path) -> list[BlockCodes]:
         if t.kind not in BLOCK_QUANT_TYPES or len(t.shape) != 2:
             continue
         k, n = t.shape  # GGUF lists the contiguous dim first
-        out.append(_parse(t.kind, t.data.reshape(n * k // _block_values(t.kind), -1), n, k))
+        out.append(_parse(t.kind, t.data.reshape(-1, t.block_bytes), n, k))
     return out
-
-
-def _block_values(kind: str) -> int:
-    """Values per block of a GGUF block type (32, or 256 for the k-quants)."""
-    return 256 if kind.endswith("_K") else BLOCK
 
 
 def coded_matvec(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor | None) -> Tensor:
@@ -183,29 +178,37 @@ def _sampled(t: BlockCodes) -> Tensor:
     return torch.cat([expand(t.codes[:, e], t.scale[:, e], m).flatten(1) for e, m in zip(ends, mins)], 1)
 
 
-def _stack_rows(tensors: list[BlockCodes], rows: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Row i is rows[i] of tensors[i]: the rows of (possibly differently coded) tensors as one
-    BlockCodes layout, same fp32 values.
+def rows_by_tensor(hits: list[tuple[int, int] | None]) -> dict[int, tuple[list[int], list[int]]]:
+    """hits [(tensor, row) or None per row i] -> {tensor: (the rows i it holds, their rows there)}."""
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for i, hit in enumerate(hits):
+        if hit is not None:
+            mine, theirs = out.setdefault(hit[0], ([], []))
+            mine.append(i)
+            theirs.append(hit[1])
+    return out
+
+
+def _stack_rows(tensors: list[BlockCodes], hits: list[tuple[int, int]]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Row i is row hits[i][1] of tensors[hits[i][0]]: the rows of (possibly differently coded) tensors as
+    one BlockCodes layout, same fp32 values.
 
     A fused linear may mix block types (Q4_K_M stores some v or down projections as Q6_K): the
     common layout takes the smallest group (a group of 32 becomes two of 16 with the same scale),
     int8 codes if any row is signed (unsigned codes here are < 32) and a zero minimum for rows
     without one (w + 0.0 == w). Rows are gathered per source tensor, not one by one.
     """
-    group = min(t.codes.shape[-1] for t in tensors)
-    signed = any(t.codes.dtype == torch.int8 for t in tensors)
-    with_min = any(t.minimum is not None for t in tensors)
-    first = tensors[0]
-    n, k = len(rows), first.codes.shape[1] * first.codes.shape[2]
-    codes = torch.empty(n, k // group, group, dtype=torch.int8 if signed else first.codes.dtype)
+    groups = rows_by_tensor(hits)
+    used = [tensors[ti] for ti in groups]
+    group = min(t.codes.shape[-1] for t in used)
+    signed = any(t.codes.dtype == torch.int8 for t in used)
+    with_min = any(t.minimum is not None for t in used)
+    n, k = len(hits), used[0].codes.shape[1] * used[0].codes.shape[2]
+    codes = torch.empty(n, k // group, group, dtype=torch.int8 if signed else used[0].codes.dtype)
     scale = torch.empty(n, k // group, 1)
     minimum = torch.zeros(n, k // group, 1) if with_min else None
-    by_tensor: dict[int, tuple[BlockCodes, list[int], list[int]]] = {}  # id -> (tensor, out rows, its rows)
-    for i, (t, r) in enumerate(zip(tensors, rows)):
-        by_tensor.setdefault(id(t), (t, [], []))[1].append(i)
-        by_tensor[id(t)][2].append(r)
-    for t, out_rows, src_rows in by_tensor.values():
-        at, src = torch.tensor(out_rows), torch.tensor(src_rows)
+    for ti, (out_rows, src_rows) in groups.items():
+        t, at, src = tensors[ti], torch.tensor(out_rows), torch.tensor(src_rows)
         rep = t.codes.shape[-1] // group
         split = (lambda a: a.repeat_interleave(rep, 1)) if rep > 1 else (lambda a: a)  # noqa: E731
         codes[at] = t.codes[src].reshape(len(src_rows), -1, group).to(codes.dtype)
@@ -215,11 +218,16 @@ def _stack_rows(tensors: list[BlockCodes], rows: list[int]) -> tuple[Tensor, Ten
     return codes, scale, minimum
 
 
-def row_index(tensors: list[BlockCodes], sample: bool = False) -> dict[int, tuple[int, int]]:
-    """{hash of a row's expanded fp32 values (see _row_keys): (index in tensors, row)}, the first of equal rows."""
+def row_index(tensors: list[BlockCodes]) -> dict[int, tuple[int, int]]:
+    """{hash of a row's expanded fp32 values: (index in tensors, row)}, the first of equal rows."""
+    return _first_rows([_row_keys(t.dequantize()) for t in tensors])
+
+
+def _first_rows(keys: list[list[int]]) -> dict[int, tuple[int, int]]:
+    """keys [per tensor, per row] -> {key: (tensor, row)}, the first of equal keys."""
     where: dict[int, tuple[int, int]] = {}
-    for ti, t in enumerate(tensors):
-        for ri, key in enumerate(_row_keys(_sampled(t) if sample else t.dequantize())):
+    for ti, rows in enumerate(keys):
+        for ri, key in enumerate(rows):
             where.setdefault(key, (ti, ri))
     return where
 
@@ -229,7 +237,7 @@ def _checked(weight: Tensor, tensors: list[BlockCodes], hits: list) -> tuple[Ten
     and they expand to `weight` bit for bit; else None."""
     if not hits or None in hits:
         return None
-    codes, scale, minimum = _stack_rows([tensors[t] for t, _ in hits], [r for _, r in hits])
+    codes, scale, minimum = _stack_rows(tensors, hits)
     return (codes, scale, minimum) if torch.equal(BlockCodes(codes, scale, minimum).dequantize(), weight) else None
 
 
@@ -245,14 +253,15 @@ def attach_codes(model: nn.Module, path: str | Path) -> int:
     if not linears:
         return 0
     tensors = read_codes(path)
-    where = row_index(tensors, sample=True)  # candidate rows by a sample of each row; checked whole below
+    sampled = [_row_keys(_sampled(t)) for t in tensors]  # per tensor, per row
+    where = _first_rows(sampled)  # candidate rows by a sample of each row; checked whole below
     done = 0
     for lin in linears:
         keys = _row_keys(lin.weight, sample=True)
         found = _checked(lin.weight, tensors, [where.get(key) for key in keys])
         if found is None and any(key in where for key in keys):  # rows with alike ends: look again by
             wanted = set(keys)  # whole rows, among every tensor with a row of one of these samples
-            named = [i for i, t in enumerate(tensors) if wanted.intersection(_row_keys(_sampled(t)))]
+            named = [i for i, rows in enumerate(sampled) if wanted.intersection(rows)]
             whole = {k: (named[t], r) for k, (t, r) in row_index([tensors[i] for i in named]).items()}
             found = _checked(lin.weight, tensors, [whole.get(key) for key in _row_keys(lin.weight)])
         if found is None:

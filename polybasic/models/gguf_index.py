@@ -25,6 +25,7 @@ class TensorInfo:
     kind: str  # GGMLQuantizationType name, e.g. "Q4_K", "F32"
     shape: tuple[int, ...]  # GGUF order: the contiguous dimension first
     data: np.ndarray  # the tensor's raw bytes, uint8, a view of the memory-mapped file
+    block_bytes: int  # bytes per block of its type (GGML_QUANT_SIZES)
 
 
 class _Cursor:
@@ -86,5 +87,5 @@ def read_tensor_infos(path: str | Path) -> list[TensorInfo]:
     for name, kind, dims, offset in infos:
         block, nbytes = GGML_QUANT_SIZES[kind]
         size = int(np.prod(dims)) // block * nbytes
-        out.append(TensorInfo(name, kind.name, dims, buf[start + offset:start + offset + size]))
+        out.append(TensorInfo(name, kind.name, dims, buf[start + offset:start + offset + size], nbytes))
     return out

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from polybasic.models.gguf_codes import _row_keys, read_codes, row_index
+from polybasic.models.gguf_codes import _row_keys, read_codes, row_index, rows_by_tensor
 from polybasic.quant.primitives import SCALE_EPS
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,8 @@ class GGUFCodes:
         fp32: the file's codes for each row it holds in 4 bits, RTN (rtn_float_zero) for the rest."""
         out, k = w.shape
         q, scale, zero = rtn_float_zero(w)
-        hits = [self.where.get(key) for key in _row_keys(w.float())]
-        by_tensor: dict[int, tuple[list[int], list[int]]] = {}
-        for i, hit in enumerate(hits):
-            if hit is not None:
-                rows = by_tensor.setdefault(hit[0], ([], []))
-                rows[0].append(i)
-                rows[1].append(hit[1])
         n = 0
-        for ti, (mine, theirs) in by_tensor.items():
+        for ti, (mine, theirs) in rows_by_tensor([self.where.get(key) for key in _row_keys(w.float())]).items():
             if self.codes[ti].shape[1] * GROUP != k:
                 continue
             src = torch.tensor(theirs)

@@ -15,8 +15,9 @@ from polybasic.runtime.levels import Level, ModelLevel
 def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | None = None, sizes=None,
                    notify: Callable[[str], None] | None = None, flag: str = "--compile") -> float:
     """Compile the forwards of every model level and EAGLE head in `levels` (target first), with caches
-    for sequences of up to `max_len` tokens, and run each step size once. gguf: the file the target's fp32
-    weights were expanded from (its one-token steps read the block codes). Returns the seconds it took
+    for sequences of up to `max_len` tokens, and run each step size until it is steady (StaticSteps.warm_runs).
+    gguf: the file the target's fp32 weights were expanded from (its steps of up to gguf_codes.CODED_ROWS
+    tokens read the block codes). Returns the seconds it took
     (compiling, or loading compiled steps from inductor's cache). Model-free levels are left as they are."""
     t0 = time.perf_counter()
     models = []

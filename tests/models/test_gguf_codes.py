@@ -149,7 +149,7 @@ def test_rows_of_different_block_types_share_one_layout():
     16, signed codes, zero minimum where there is none) that expands to the same values."""
     rng = np.random.default_rng(5)
     parts = [_parse(kind, random_blocks(kind, 2, 256, rng), 2, 256) for kind in ("Q4_K", "Q6_K", "Q8_0")]
-    codes, scale, minimum = gguf_codes._stack_rows(parts, [1, 0, 1])
+    codes, scale, minimum = gguf_codes._stack_rows(parts, [(0, 1), (1, 0), (2, 1)])
     assert codes.shape == (3, 16, 16) and codes.dtype == torch.int8 and minimum is not None
     ref = torch.stack([parts[0].dequantize()[1], parts[1].dequantize()[0], parts[2].dequantize()[1]])
     assert torch.equal(gguf_codes.BlockCodes(codes, scale, minimum).dequantize(), ref)
