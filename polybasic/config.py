@@ -50,6 +50,14 @@ def check_search_space(k_values: list[int], thresholds: list[int], max_levels: i
     check(max_levels >= 2, "max_levels", f"must be >= 2, got {max_levels}", "a chain has >= 2 levels")
 
 
+def check_draft_confidence(c: float, field: str = "draft_confidence") -> float:
+    """A draft confidence (runtime.chain.Chain.draft_confidence) in [0, 1), or a ConfigError naming `field`."""
+    check(isinstance(c, (int, float)) and not isinstance(c, bool) and 0.0 <= c < 1.0, field,
+          f"must be in [0, 1), got {c!r}",
+          "e.g. 0.5 (end a draft after a token its drafter gave under 50%), or 0 to draft k tokens always")
+    return float(c)
+
+
 def check_dtype(name: str, field: str = "dtype") -> str:
     """name if it is a dtype spelling polybasic accepts."""
     if name not in DTYPE_NAMES:
@@ -506,6 +514,11 @@ class PlanSection:
 @dataclass
 class ExportSection:
     folder: str = "bundle"  # inside out_dir
+    draft_confidence: float = 0.0  # the bundle's drafting levels end a draft after a token they gave a
+    # probability below this (0: off; lossless either way; the plan's predictions assume full drafts)
+
+    def __post_init__(self) -> None:
+        check_draft_confidence(self.draft_confidence, "export.draft_confidence")
 
 
 @dataclass

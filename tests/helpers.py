@@ -76,14 +76,15 @@ class ScriptedLM:
     def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
         self.buf = [0] * max_seq_len
 
-    def __call__(self, tokens, start: int, last_only: bool = False):
+    def __call__(self, tokens, start: int, last_only: bool = False, tail: int | None = None):
         self.calls += 1
         toks = tokens[0].tolist()
         self.buf[start:start + len(toks)] = toks
         rows = [torch.as_tensor(self.script(self.buf[:start + i + 1]), dtype=torch.float32)
                 for i in range(len(toks))]
         logits = torch.stack(rows)[None]  # [1, M, V]
-        return logits, torch.zeros(1, len(toks), 4)
+        tail = 1 if last_only else min(tail or len(toks), len(toks))
+        return logits[:, -tail:], torch.zeros(1, len(toks), 4)  # as the lean decoder: the last `tail` rows
 
 
 def one_hot_logits(vocab: int, token: int, peak: float = 20.0) -> torch.Tensor:

@@ -60,6 +60,7 @@ def test_generate_with_a_chain(folder, capsys):
     (["--top-p", "0"], "top_p: must be in (0, 1]"),
     (["--model", "/nonexistent/m.gguf"], "does not exist"),
     (["--chain", "ngram", "--k", "0"], "k: must be an integer >= 1"),
+    (["--chain", "ngram", "--draft-confidence", "1"], "draft_confidence: must be in [0, 1)"),
 ])
 def test_errors_are_clear(folder, capsys, argv, match):
     base = ["generate", "--model", folder, "--prompt", "w1"]

@@ -9,4 +9,4 @@ BUNDLE_METHODS = "vanilla,chain"  # with --bundle
 METHOD_NAMES = ("vanilla", "vanilla:DTYPE", "vanilla-compiled", "vanilla-compiled:DTYPE", "vanilla-compiled-dense",
                 "vanilla-compiled-dense:DTYPE", "hf", "hf-pld",
                 "hf-assisted:SOURCE[@DTYPE]", "pld", "pld-compiled", "chain:SPEC", "chain", "chain-compiled:SPEC",
-                "chain-compiled", "llamacpp", "llamacpp-pld")
+                "chain-compiled", "chain-drafts-compiled:SPEC", "llamacpp", "llamacpp-pld")

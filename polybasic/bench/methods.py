@@ -53,6 +53,8 @@ class BenchContext:
     sampling: SamplingConfig = SamplingConfig()
     draft_tokens: int = 8  # k of the n-gram / prompt-lookup drafters
     adaptive_k: bool = False  # chains adapt the bottom draft length (Chain.adaptive_k)
+    draft_confidence: float | None = None  # chains end drafts below this confidence (Chain.draft_confidence;
+    # None: the bundle's for its chain, else 0)
     thresholds: list[int] | None = None  # chain:SPEC's middle levels (Chain.thresholds; None: k + 1 each)
     step_sizes: list[int] | None = None  # token counts the *-compiled methods compile (None: models.static's)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
@@ -63,6 +65,7 @@ class BenchContext:
     bundle: object = None  # a runtime.bundle.BundleDecoder: method `chain` runs its chain
     levels: dict = field(default_factory=dict)  # chain levels by spelling, shared by the chain:SPEC methods
     compiled_levels: dict = field(default_factory=dict)  # the same for the compiled methods (their own copies)
+    drafts_compiled_levels: dict = field(default_factory=dict)  # chain-drafts-compiled's: the eager target over compiled copies
     compiled_target: object = None  # the target's compiled copy, shared by the compiled chain methods
     compile_s: dict = field(default_factory=dict)  # method -> seconds its models took to compile and warm
     _hf: object = field(default=None, repr=False)
@@ -257,12 +260,16 @@ def _hf_assisted(ctx: BenchContext, arg: str | None) -> Runner:
 
 
 def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds: list[int] | None = None,
-                  k: int | None = None, adaptive_k: bool | None = None) -> Runner:
+                  k: int | None = None, adaptive_k: bool | None = None, draft_confidence: float = 0.0) -> Runner:
+    """draft_confidence: the chain's own (a bundle's); --draft-confidence overrides it."""
+    confidence = draft_confidence if ctx.draft_confidence is None else ctx.draft_confidence
+
     def run(prompt_ids: list[int], seed: int) -> Output:
         gen = make_generator(seed, ctx.model.device)  # the chain samples on the target's device
         with timed(ctx.model.device) as t:
             chain = Chain(make_levels(), k=k or ctx.draft_tokens, thresholds=thresholds, eos=ctx.eos,
-                          adaptive_k=ctx.adaptive_k if adaptive_k is None else adaptive_k)
+                          adaptive_k=ctx.adaptive_k if adaptive_k is None else adaptive_k,
+                          draft_confidence=confidence)
             tokens, stats = chain.generate(prompt_ids, ctx.max_new_tokens, sampling=ctx.sampling,
                                            generator=gen)
         # per draft: a verification of an empty draft (the budget's last token, or the token the target
@@ -292,7 +299,7 @@ def _chain(ctx: BenchContext, arg: str | None) -> Runner:
         d = ctx.bundle.manifest.decoding
         levels = ctx.bundle.chain.levels
         return _chain_runner(ctx, lambda: levels, None if d.thresholds is None else list(d.thresholds), d.k,
-                             d.adaptive_k)
+                             d.adaptive_k, d.draft_confidence)
 
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
     levels = parse_chain(arg, target, flag=f"--methods chain:{arg}", cache=ctx.levels)
@@ -328,11 +335,24 @@ def _chain_compiled(ctx: BenchContext, arg: str | None) -> Runner:
         d = ctx.bundle.manifest.decoding
         levels = build_chain(ctx.bundle.manifest.chain, target, flag=f"--methods {method}", cache=ctx.compiled_levels)
         thresholds, k, adaptive = None if d.thresholds is None else list(d.thresholds), d.k, d.adaptive_k
+        confidence = d.draft_confidence
     else:
         levels = parse_chain(arg, target, flag=f"--methods {method}", cache=ctx.compiled_levels)
-        thresholds, k, adaptive = ctx.thresholds, None, None
+        thresholds, k, adaptive, confidence = ctx.thresholds, None, None, 0.0
     _compile_levels(ctx, levels, ctx.gguf, method)
-    return _chain_runner(ctx, lambda: levels, thresholds, k, adaptive)
+    return _chain_runner(ctx, lambda: levels, thresholds, k, adaptive, confidence)
+
+
+@register("chain-drafts-compiled", MethodArg("SPEC", required=True))
+def _chain_drafts_compiled(ctx: BenchContext, arg: str | None) -> Runner:
+    """As chain:SPEC with the levels below the target compiled (their own copies) and the target eager:
+    its tokens are eager vanilla's to the bit, in any dtype (a compiled bf16 target rounds otherwise),
+    while the drafting levels, which run most steps, lose Python's per-op overhead."""
+    method = f"chain-drafts-compiled:{arg}"
+    target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
+    levels = parse_chain(arg, target, flag=f"--methods {method}", cache=ctx.drafts_compiled_levels)
+    _compile_levels(ctx, levels[1:], None, method)
+    return _chain_runner(ctx, lambda: levels, ctx.thresholds)
 
 
 # -- peers: llama.cpp on the target's own GGUF file (the optional extra [peers]) -----------------------

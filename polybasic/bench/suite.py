@@ -15,7 +15,7 @@ from polybasic.bench.methods import BenchContext, make_runner, parse_methods
 from polybasic.bench.questions import load_questions, select
 from polybasic.bench.report import machine_info, peak_rss_mib, text_table, write_outputs
 from polybasic.bench.runner import fastest_vanilla, run_all, summarize
-from polybasic.config import DEFAULT_MODEL, SamplingConfig, int_list
+from polybasic.config import DEFAULT_MODEL, SamplingConfig, check_draft_confidence, int_list
 from polybasic.errors import ConfigError
 from polybasic.models import load_hf_model
 from polybasic.models.preflight import check_source
@@ -73,6 +73,8 @@ def validate(a: argparse.Namespace):
         if value is not None and value < low:
             raise ConfigError(f"{field}: must be >= {low}, got {value}; pass --{field.replace('_', '-')} "
                               f"{low} or more")
+    if a.draft_confidence is not None:
+        check_draft_confidence(a.draft_confidence, "draft_confidence")
     compiled = [m for m in methods if "-compiled" in m.split(":", 1)[0]]
     if compiled:
         check_compilable(device, f"--methods {compiled[0]}")
@@ -133,6 +135,7 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
     prompts = [(q.question_id, q.category, encode_prompt(lm.tokenizer, q.prompt)) for q in questions]
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), a.max_new_tokens, sampling,
                        a.draft_tokens, source=a.model, dtype=a.dtype, adaptive_k=a.adaptive_k,
+                       draft_confidence=a.draft_confidence,
                        thresholds=a.thresholds, step_sizes=a.step_sizes,
                        max_prompt_tokens=max(len(p) for *_, p in prompts), gguf=lm.gguf_file,
                        hf_loader=lambda: load_hf_model(a.model, a.dtype, lm.model.device), bundle=bundle)
@@ -146,6 +149,7 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
         "categories": list(dict.fromkeys(q.category for q in questions)),
         "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,
         "top_p": a.top_p, "draft_tokens": a.draft_tokens, "thresholds": a.thresholds, "step_sizes": a.step_sizes, "adaptive_k": a.adaptive_k,
+        "draft_confidence": a.draft_confidence,
         "seed": a.seed,
         "warmup": a.warmup}, ctx.compile_s)
     write_outputs(doc, a.json_out, a.report)

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from polybasic.config import DEFAULT_MODEL, SamplingConfig, int_list
+from polybasic.config import DEFAULT_MODEL, SamplingConfig, check_draft_confidence, int_list
 from polybasic.errors import ConfigError, DataNotFoundError
 from polybasic.models.preflight import check_source
 from polybasic.runtime.chainspec import CHAIN_HELP, check_chain_files, parse_chain_spec
@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
                    help="decode through a chain: the levels below the target, '+'-separated (forms above)")
     p.add_argument("--k", type=int, default=5, help="tokens the bottom level proposes per round")
     p.add_argument("--adaptive-k", action="store_true", help="adapt the bottom draft length (1..k)")
+    p.add_argument("--draft-confidence", type=float, default=None, metavar="P",
+                   help="a drafting model level ends its draft after a token it gave a probability below P "
+                        "(lossless), so a long --k or threshold costs little where drafts are unsure "
+                        "(default: 0, off, or the bundle's)")
     p.add_argument("--thresholds", default=None,
                    help="comma-separated hand-up threshold per middle level (default: k+1 each)")
     p.add_argument("--compile", action="store_true",
@@ -116,6 +120,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     check_request([0], a.max_new_tokens, 2)
     check_k(a.k)
+    check_draft_confidence(_or(a.draft_confidence, 0.0), "draft_confidence")
     ctx = ExecutionContext(a.device, a.dtype, a.seed)
     if a.compile:
         check_compilable(ctx.device)
@@ -131,12 +136,14 @@ def _cmd_generate(a: argparse.Namespace) -> int:
                   f"{dec.predicted_speedup:.2f}x]", file=sys.stderr)
         lm, chain, sampling = dec.target, dec.chain, dec.sampling(temperature=a.temperature, top_k=a.top_k,
                                                                   top_p=a.top_p)
+        chain.draft_confidence = _or(a.draft_confidence, chain.draft_confidence)
     else:
         sampling = SamplingConfig(_or(a.temperature, 0.0), _or(a.top_k, 0), _or(a.top_p, 1.0))
         lm = load_any_model(a.model, ctx.dtype, ctx.device)
         chain = None if spec is None else Chain(build_chain(spec, lm, ctx.device, "--chain"), k=a.k,
                                                 thresholds=thresholds,
-                                                eos=eos_ids(lm.tokenizer), adaptive_k=a.adaptive_k)
+                                                eos=eos_ids(lm.tokenizer), adaptive_k=a.adaptive_k,
+                                                draft_confidence=_or(a.draft_confidence, 0.0))
     ids = encode_prompt(lm.tokenizer, prompt, chat=not a.no_chat)
     check_request(ids, a.max_new_tokens, lm.args.max_seq_len)  # an over-long prompt: a clear error
     times = {"load": time.perf_counter() - t_start}

@@ -37,7 +37,8 @@ def run_stage(ctx) -> list[Path]:
     spec = parse_chain_spec(chain_spelling(best["chain"], out), "plan.json best chain")
     sec = recipe.profile
     decoding = Decoding(k=best["k"], thresholds=tuple(best["thresholds"]) or None,
-                        temperature=sec.temperature, top_p=sec.top_p)
+                        temperature=sec.temperature, top_p=sec.top_p,
+                        draft_confidence=recipe.export.draft_confidence)
     toks = {lv.name: load_tokenizer(resolve_hf_folder(lv.source)) for lv in spec.levels if lv.kind == "model"}
     folder = out / recipe.export.folder
     export_bundle(folder, recipe.model.source, recipe.model.dtype, spec, decoding, ctx.target.tokenizer,

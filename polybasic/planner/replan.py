@@ -33,12 +33,12 @@ def reprofile(dec: BundleDecoder, reps: int = 5, k_values: tuple[int, ...] = tup
                                      (m.plan or {}).get("new_tokens", 128))).best
     d = m.decoding
     dec.chain = Chain([by_name[n] for n in best.chain], k=best.k, thresholds=best.thresholds or None,
-                      eos=dec.chain.eos, adaptive_k=d.adaptive_k)
+                      eos=dec.chain.eos, adaptive_k=d.adaptive_k, draft_confidence=d.draft_confidence)
     dec.manifest.plan = {**(m.plan or {}), "chain": best.spec, "levels": best.chain, "k": best.k,
                          "thresholds": best.thresholds, "predicted_speedup": best.speedup,
                          "predicted_speedup_lemma": best.speedup_lemma, "tau": best.tau,
                          "reprofiled": True}
     dec.manifest.decoding = Decoding(best.k, tuple(best.thresholds) or None, d.adaptive_k, d.temperature,
-                                     d.top_k, d.top_p)
+                                     d.top_k, d.top_p, d.draft_confidence)
     dec.manifest.profile = profile.to_dict()
     return dec.manifest.plan

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from polybasic import __version__
 from polybasic.artifacts import atomic_path
-from polybasic.config import SamplingConfig
+from polybasic.config import SamplingConfig, check_draft_confidence
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError, check
 from polybasic.models.eagle_head import load_head
 from polybasic.models.loader import folder_and_args, load_model, load_tokenizer, resolve_hf_folder
@@ -63,9 +63,11 @@ class Decoding:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    draft_confidence: float = 0.0  # drafting levels end a draft below this confidence (Chain.draft_confidence)
 
     def __post_init__(self) -> None:
         check_k(self.k)
+        check_draft_confidence(self.draft_confidence)
         if self.thresholds is not None:
             object.__setattr__(self, "thresholds", tuple(int(t) for t in self.thresholds))
 
@@ -364,5 +366,5 @@ def load(bundle: str | Path, device: str = "cpu", *, revision: str | None = None
     levels = build_chain(m.chain, lm, device, flag=f"bundle {folder}: chain")
     d = m.decoding
     chain = Chain(levels, k=d.k, thresholds=None if d.thresholds is None else list(d.thresholds),
-                  eos=eos_ids(lm.tokenizer), adaptive_k=d.adaptive_k)
+                  eos=eos_ids(lm.tokenizer), adaptive_k=d.adaptive_k, draft_confidence=d.draft_confidence)
     return BundleDecoder(folder, m, lm, chain, device)

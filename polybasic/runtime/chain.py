@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from polybasic.config import SamplingConfig
+from polybasic.config import SamplingConfig, check_draft_confidence
 from polybasic.errors import ConfigError, check
 from polybasic.runtime.generate import check_request
 from polybasic.runtime.levels import Level, ModelLevel, kv_compatible
@@ -29,17 +29,22 @@ from polybasic.runtime.verify import speculative_verify
 class Chain:
     def __init__(self, levels: Sequence[Level], k: int = 5, thresholds: Sequence[int] | None = None,
                  eos: set[int] | frozenset[int] = frozenset(), adaptive_k: bool = False,
-                 share_prompt_kv: bool = True) -> None:
+                 share_prompt_kv: bool = True, draft_confidence: float = 0.0) -> None:
         """levels: target first, bottom proposer last. thresholds: one per middle level
         (levels[1:-1]); default k + 1 each. adaptive_k: the bottom level's draft length starts at
         k and moves between 1 and k with its acceptance (+2 after a fully accepted draft, -1 after
         a rejection); it depends only on past verifications, so decoding stays lossless.
         share_prompt_kv: levels whose caches match the target's (a quantized copy of it) take the
-        target's K/V of the prompt instead of prefilling it (see _share_prompt)."""
+        target's K/V of the prompt instead of prefilling it (see _share_prompt).
+        draft_confidence: a drafting level ends what it hands up early, after a token it gave a
+        probability below this (Level.confidence; 0: the bottom always drafts k tokens and a middle level
+        hands up once it holds its threshold), so that k and the thresholds can be long where drafts are
+        sure and short where they are not. Lossless: it depends only on the drafting level's own outputs."""
         levels = list(levels)
         check(len(levels) >= 2, "levels", f"a chain needs at least 2 levels, got {len(levels)}",
               "pass [target, drafter, ...]")
         check_k(k)
+        check_draft_confidence(draft_confidence)
         n_mid = len(levels) - 2
         thresholds = [k + 1] * n_mid if thresholds is None else list(thresholds)
         check(len(thresholds) == n_mid, "thresholds",
@@ -64,6 +69,7 @@ class Chain:
         self.levels, self.k, self.thresholds = levels, k, [None] + thresholds + [None]
         self.eos = frozenset(eos)
         self.adaptive_k = adaptive_k
+        self.draft_confidence = draft_confidence
         self.share_prompt_kv = share_prompt_kv
         self.stats = ChainStats()
 
@@ -168,15 +174,20 @@ class Chain:
         if cap <= 0:
             return [], torch.empty(0, lvl.vocab_size)
         if j == len(self.levels) - 1:
-            return lvl.propose(context, min(self._k, cap), self.sampling, self.generator, self.eos)
+            return lvl.propose(context, min(self._k, cap), self.sampling, self.generator, self.eos,
+                               self.draft_confidence)
         tokens: list[int] = []
         rows: list[Tensor] = []
         for new, p in self._rounds(j, context, cap):
             tokens += new
             rows.append(p)
-            if len(tokens) >= self.thresholds[j]:
+            if len(tokens) >= self.thresholds[j] or self._unsure(lvl, len(new) - 1, new[-1], p[-1]):
                 break
         return tokens, torch.cat(rows)
+
+    def _unsure(self, lvl: Level, row: int, tok: int, probs: Tensor) -> bool:
+        """Whether level `lvl` gave its last token, row `row` of its last score, less than draft_confidence."""
+        return self.draft_confidence > 0 and lvl.confidence(row, tok, probs, self.sampling) < self.draft_confidence
 
 
 def check_k(k: int) -> None:

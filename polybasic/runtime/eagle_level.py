@@ -74,7 +74,8 @@ class EagleLevel(Level):
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None, eos: frozenset[int]) -> tuple[list[int], Tensor]:
+                generator: torch.Generator | None, eos: frozenset[int],
+                min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
         self._absorb()
         if not common_prefix(self.ftoks, context):  # no features yet: the base prefills the prompt
             self.base.cached = []  # recompute from position 0 (its cache may hold the prompt already)

@@ -48,8 +48,15 @@ class Level:
     def score(self, context: list[int], draft: list[int], sampling: SamplingConfig) -> Tensor:
         raise NotImplementedError(f"level '{self.name}' cannot verify; put it at the bottom of the chain")
 
+    def confidence(self, row: int, tok: int, probs: Tensor, sampling: SamplingConfig) -> float:
+        """How sure the level was of `tok` at row `row` of its last score (1.0: it cannot tell)."""
+        return 1.0
+
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None, eos: frozenset[int]) -> tuple[list[int], Tensor]:
+                generator: torch.Generator | None, eos: frozenset[int],
+                min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
+        """Up to k tokens after context, with the distributions they were drawn from [len, V]. A level
+        that can tell its confidence (ModelLevel) stops after a token it gave less than min_confidence."""
         raise NotImplementedError
 
 
@@ -77,6 +84,7 @@ class ModelLevel(Level):
         self.cached: list[int] = []  # tokens whose K/V sit in the cache, positions 0..len-1
         self.hidden: Tensor | None = None
         self.hidden_start = 0
+        self.logits: Tensor | None = None  # raw logits of the last score's returned rows [len(draft)+1, V]
 
     def start(self, max_len: int) -> None:
         super().start(max_len)
@@ -113,23 +121,34 @@ class ModelLevel(Level):
         if start == 0 and draft and getattr(self.model, "dtype", None) in ROW_INVARIANT_DTYPES:
             # bf16/fp16: prefill the context alone, as vanilla decoding does, so its cached rows have
             # vanilla's exact bits (a prefill's rows change with its length in reduced precision)
-            pre_logits, pre_hidden = self.model(torch.tensor([context], dtype=torch.long, device=dev), 0)
+            pre_logits, pre_hidden = self.model(torch.tensor([context], dtype=torch.long, device=dev), 0,
+                                                last_only=True)  # [1, 1, V]
             logits, hidden = self.model(torch.tensor([draft], dtype=torch.long, device=dev), len(context))
-            logits = torch.cat((pre_logits[:, -1:], logits), dim=1)  # [1, len(draft)+1, V]
+            logits = torch.cat((pre_logits, logits), dim=1)  # [1, len(draft)+1, V]
             hidden = torch.cat((pre_hidden, hidden), dim=1)  # [1, len(seq), E]
             c.forwards += 1  # the extra forward is the prefill vanilla decoding runs too
-        else:
-            logits, hidden = self.model(torch.tensor([seq[start:]], dtype=torch.long, device=dev), start)  # [1, M, .]
+        else:  # the LM head runs on the rows whose distributions are returned only (a prefill's last)
+            logits, hidden = self.model(torch.tensor([seq[start:]], dtype=torch.long, device=dev), start,
+                                        tail=len(draft) + 1)  # [1, len(draft)+1, V], [1, M, E]
         self.cached = seq
         self.hidden, self.hidden_start = hidden[0], start
-        probs = probs_from_logits(logits[0, -(len(draft) + 1):], sampling)  # [len(draft)+1, V]
+        self.logits = logits[0, -(len(draft) + 1):]  # [len(draft)+1, V]
+        probs = probs_from_logits(self.logits, sampling)  # [len(draft)+1, V]
         c.forwards += 1
         c.tokens_fed += len(seq) - start
         c.time_s += time.perf_counter() - t0
         return probs
 
+    def confidence(self, row: int, tok: int, probs: Tensor, sampling: SamplingConfig) -> float:
+        """How sure this level was of `tok`, drawn from its distribution `probs` [V] at row `row` of its
+        last score: probs[tok], or under softmax(raw logits) when greedy (whose probs are one-hot)."""
+        if not sampling.greedy:
+            return float(probs[tok])
+        return float(torch.softmax(self.logits[row].float(), -1)[tok])
+
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None, eos: frozenset[int]) -> tuple[list[int], Tensor]:
+                generator: torch.Generator | None, eos: frozenset[int],
+                min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
         tokens: list[int] = []
         rows: list[Tensor] = []
         for _ in range(k):
@@ -137,7 +156,7 @@ class ModelLevel(Level):
             tok = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
             tokens.append(tok)
             rows.append(probs)
-            if tok in eos:
+            if tok in eos or (min_confidence > 0 and self.confidence(0, tok, probs, sampling) < min_confidence):
                 break
         return tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
 
@@ -183,7 +202,8 @@ class NGramLevel(Level):
         return []
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None, eos: frozenset[int]) -> tuple[list[int], Tensor]:
+                generator: torch.Generator | None, eos: frozenset[int],
+                min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
         t0 = time.perf_counter()
         tokens = self.lookup(context, k)
         for i, t in enumerate(tokens):

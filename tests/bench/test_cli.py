@@ -116,6 +116,24 @@ def test_chain_reports_every_link(tiny_model_dir):
     assert out.accepted == out.links["target@bfloat16<-ngram"] and out.links["target<-target@bfloat16"]
 
 
+def test_chain_drafts_compiled_keeps_the_eager_target(tiny_model_dir):
+    """chain-drafts-compiled compiles the levels below the target (its own copies) and leaves the target
+    eager, so its tokens are eager vanilla's; with draft_confidence its drafts may end early."""
+    from polybasic.models import load_model
+
+    lm = load_model(str(tiny_model_dir), "float32")
+    ctx = BenchContext(lm.model, lm.tokenizer, {1}, 12, draft_tokens=6, source=str(tiny_model_dir),
+                       max_prompt_tokens=8, draft_confidence=0.5)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    ref = make_runner("vanilla", ctx)(prompt, 0)
+    method = f"chain-drafts-compiled:{tiny_model_dir}@bfloat16"
+    out = make_runner(method, ctx)(prompt, 0)
+    assert out.tokens == ref.tokens and out.tau >= 1.0
+    assert ctx.compile_s[method] > 0 and lm.model._static is None  # drafts compiled, the target not
+    draft = ctx.drafts_compiled_levels[f"{tiny_model_dir}@bfloat16"]
+    assert draft.model._static is not None and draft.model is not ctx.levels.get(f"{tiny_model_dir}@bfloat16")
+
+
 def test_end_to_end_on_tiny_model(tiny_model_dir, questions_file, tmp_path, capsys):
     out, rep = tmp_path / "b.json", tmp_path / "rep"
     rc = main(["bench", "--model", str(tiny_model_dir), "--questions", str(questions_file),

@@ -23,9 +23,9 @@ class RecordingLM(ScriptedLM):
         super().__init__(*a, **kw)
         self.widths = []
 
-    def __call__(self, tokens, start, last_only=False):
+    def __call__(self, tokens, start, **kw):
         self.widths.append((tokens.shape[1], start))
-        return super().__call__(tokens, start, last_only)
+        return super().__call__(tokens, start, **kw)
 
 
 def test_cost_curve_feeds_m_tokens_at_the_context():

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from polybasic.errors import PolybasicError
+from polybasic.errors import ConfigError, PolybasicError
 from polybasic.models import load_model
 from polybasic.models.eagle_head import DrafterConfig, EagleHead, save_head
 from polybasic.quant import QuantConfig, quantize_, save_quantized
@@ -62,6 +62,25 @@ def test_export_then_load_is_the_profiled_chain(parts, tmp_path):
     assert [lv.kind for lv in dec.manifest.chain.levels] == ["quantized", "eagle"]
     assert dec.generate("w1 w2 w3", 8, chat=False) == dec.tokenizer.decode(
         list(dec.tokens("w1 w2 w3", 8, chat=False)), skip_special_tokens=True)
+
+
+def test_draft_confidence_travels_in_the_manifest_and_old_manifests_load(parts, tmp_path):
+    """Decoding.draft_confidence is written, read back and given to the chain; a manifest written before
+    the field existed loads with it off; a bad value is refused naming the field."""
+    root, lm = parts
+    spec = parse_chain_spec(f"{root}/q.safetensors+eagle:{root}/head0.safetensors")
+    folder = B.export_bundle(tmp_path / "b", str(root / "target"), "float32", spec,
+                             B.Decoding(k=3, thresholds=(4,), draft_confidence=0.4), lm.tokenizer,
+                             plan={"predicted_speedup": 1.7}, machine={"cpu": "test"}, recipe_yaml="name: t\n")
+    dec = B.load(folder)
+    assert dec.manifest.decoding.draft_confidence == 0.4 and dec.chain.draft_confidence == 0.4
+    assert list(dec.tokens([3, 5, 7, 9], 16)) == list(generate_tokens(lm.model, [3, 5, 7, 9], 16))
+    m = json.loads((folder / "manifest.json").read_text())
+    del m["decoding"]["draft_confidence"]
+    (folder / "manifest.json").write_text(json.dumps(m))
+    assert B.load(folder).chain.draft_confidence == 0.0
+    with pytest.raises(ConfigError, match=r"^draft_confidence: must be in \[0, 1\)"):
+        B.Decoding(draft_confidence=1.5)
 
 
 def test_a_hub_id_loads_offline_from_the_hf_cache(parts, tmp_path, monkeypatch):

@@ -64,10 +64,11 @@ CHAINS = {"n2": ["mid"], "n3": ["mid", "small"], "n4": ["mid", "far", "ngram"]}
 CASES = [("llama", c, s) for c in CHAINS for s in SAMPLINGS] + [("qwen2", "n2", "t1")]
 
 
-def sample_chain(models, names, sampling, seed, n=N, adaptive_k=False):
+def sample_chain(models, names, sampling, seed, n=N, adaptive_k=False, draft_confidence=0.0, k=3, threshold=2):
     levels = [ModelLevel(models["target"], "target")]
     levels += [NGramLevel(max_ngram=2) if x == "ngram" else ModelLevel(models[x], x) for x in names]
-    chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1), adaptive_k=adaptive_k)
+    chain = Chain(levels, k=k, thresholds=[threshold] * (len(names) - 1), adaptive_k=adaptive_k,
+                  draft_confidence=draft_confidence)
     return chain_sample_counts(chain, PROMPT, sampling, seed, n, V)
 
 
@@ -86,6 +87,17 @@ def test_adaptive_draft_length_stays_lossless(world):
     sampling = SAMPLINGS["t1"]
     p1, joint = exact_joint(hf, sampling)
     first, seqs = sample_chain(models, CHAINS["n3"], sampling, seed=99, adaptive_k=True)
+    assert chi_square_pvalue(first, p1) > P_MIN
+    assert chi_square_pvalue(seqs, joint) > P_MIN
+
+
+def test_confidence_stop_stays_lossless(world):
+    """Drafts and hand-ups that end on the drafting level's own confidence (long k and threshold, so the
+    stop decides most lengths) still sample the target's joint distribution."""
+    hf, models = world
+    sampling = SAMPLINGS["t1"]
+    p1, joint = exact_joint(hf, sampling)
+    first, seqs = sample_chain(models, CHAINS["n3"], sampling, seed=77, draft_confidence=0.5, k=6, threshold=6)
     assert chi_square_pvalue(first, p1) > P_MIN
     assert chi_square_pvalue(seqs, joint) > P_MIN
 

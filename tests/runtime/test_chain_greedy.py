@@ -35,10 +35,11 @@ CHAINS = {
 }
 
 
-def build(models, names, k, thresholds=None, adaptive_k=False):
+def build(models, names, k, thresholds=None, adaptive_k=False, draft_confidence=0.0):
     levels = [ModelLevel(models["target"], "target")]
     levels += [NGramLevel(max_ngram=2) if n == "ngram" else ModelLevel(models[n], n) for n in names]
-    return Chain(levels, k=k, thresholds=thresholds, eos={1}, adaptive_k=adaptive_k)
+    return Chain(levels, k=k, thresholds=thresholds, eos={1}, adaptive_k=adaptive_k,
+                 draft_confidence=draft_confidence)
 
 
 @pytest.mark.parametrize("chain", list(CHAINS))
@@ -54,6 +55,51 @@ def test_greedy_identity(models, chain, k, adaptive):
         assert out == ref, f"{chain} trial {trial}"
         assert stats.new_tokens == len(ref)
         assert stats.target_forwards <= len(ref)
+
+
+@pytest.mark.parametrize("chain", ["n2-model", "n3-model-ngram", "n4-model-model-model"])
+def test_confidence_stop_keeps_greedy_identity_and_shortens_drafts(models, chain):
+    """draft_confidence ends a bottom draft, and a middle level's hand-up, after a token the level was
+    unsure of: the output stays the target's, and drafts really end before k / the threshold."""
+    names, k, threshold = CHAINS[chain], 8, 10
+    g = torch.Generator().manual_seed(7)
+    short = 0
+    for trial in range(3):
+        prompt = torch.randint(2, 96, (12,), generator=g).tolist()
+        ref = list(generate_tokens(models["target"], prompt, 48, eos={1}))
+        c = build(models, names, k, thresholds=[threshold] * (len(names) - 1), draft_confidence=0.6)
+        out, stats = c.generate(prompt, 48)
+        assert out == ref, f"{chain} trial {trial}"
+        bottom = stats.links[-1]
+        short += sum(0 < d < k for d in bottom.drafted[:-1]) if names[-1] != "ngram" else 0
+        short += sum(0 < d < threshold for d in stats.links[0].drafted[:-1]) if len(names) > 1 else 0
+    assert short > 0  # the stop fired (without it every draft but the budget's last is k / >= threshold)
+
+
+def test_a_level_runs_the_lm_head_on_the_rows_it_returns_only(models):
+    """A prefill asks the model for its last row's logits alone (as vanilla's does), a catch-up over new
+    context tokens for the draft's rows and one more; the distributions are the full forward's."""
+    class Spy:
+        def __init__(self, model):
+            self.model, self.calls = model, []
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, tokens, start, **kw):
+            self.calls.append((tokens.shape[1], start, kw))
+            return self.model(tokens, start, **kw)
+
+    spy = Spy(models["target"])
+    lvl = ModelLevel(spy, "t")
+    lvl.start(64)
+    ctx = list(range(5, 25))
+    p = lvl.score(ctx, [], SamplingConfig())
+    assert spy.calls[-1] == (20, 0, {"tail": 1}) and p.shape[0] == 1 == lvl.logits.shape[0]
+    full, _ = models["target"](torch.tensor([ctx]), 0)
+    torch.testing.assert_close(lvl.logits[0], full[0, -1], rtol=1e-5, atol=1e-5)  # one GEMM row of 1 or 20
+    p = lvl.score(ctx + [7, 8], [9, 10, 11], SamplingConfig())  # 2 new context tokens, 3 drafted
+    assert spy.calls[-1] == (5, 20, {"tail": 4}) and p.shape[0] == 4 == lvl.logits.shape[0]
 
 
 def test_levels_reused_across_generations_stay_exact(models):

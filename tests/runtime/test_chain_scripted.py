@@ -1,6 +1,8 @@
 """Scripted-logits stub models: never / always / partial acceptance, EOS, budgets, thresholds, bad input."""
 import pytest
+import torch
 
+from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.generate import generate_tokens
@@ -129,6 +131,23 @@ def test_bad_chains_are_refused_when_built():
         Chain([a, b])
     with pytest.raises(ConfigError, match="max_ngram"):
         NGramLevel(max_ngram=1, min_ngram=2)
+    for bad in (1.0, -0.1, "0.5"):
+        with pytest.raises(ConfigError, match=r"^draft_confidence: must be in \[0, 1\)"):
+            Chain([t, NGramLevel()], draft_confidence=bad)
+
+
+def test_level_confidence_is_the_drawn_tokens_probability():
+    """Greedy: under softmax of the raw logits (the processed distribution is one-hot); sampled: under
+    the distribution the token was drawn from. Levels without logits (n-gram) never count as unsure."""
+    lvl = level(target_model(), "t")
+    greedy, t2 = SamplingConfig(), SamplingConfig(temperature=2.0)
+    p = lvl.score([2, 3], [4], greedy)  # [2, V]
+    soft = torch.softmax(lvl.logits.float(), -1)  # [2, V]
+    tok = int(p[1].argmax())
+    assert lvl.confidence(1, tok, p[1], greedy) == pytest.approx(float(soft[1, tok]))
+    q = lvl.score([2, 3], [4], t2)
+    assert lvl.confidence(0, 5, q[0], t2) == pytest.approx(float(q[0, 5]))
+    assert NGramLevel().confidence(0, 5, q[0], t2) == 1.0
 
 
 def test_bad_requests():

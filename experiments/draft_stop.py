@@ -1,0 +1,82 @@
+"""Sweep of draft lengths, thresholds and --draft-confidence for one chain, on held-out prompts (not
+Spec-Bench), with the levels below the target compiled once and the target eager:
+
+    python -m experiments.draft_stop --model qwen2.5-coder-1.5b --dtype bfloat16 \
+        --chain runs/qwen-p31/model.safetensors --configs 8:0/16:0.5/24:0.6 --vanilla
+
+A config is K:CONFIDENCE[:THRESHOLD,...] (Chain's k, draft_confidence and thresholds), configs separated
+by "/". Prints tokens/s per config over the prompts (greedy, 128 new tokens each, prefill included), with
+tau and each level's forwards, and checks that every config's tokens are the target's (vanilla's, when
+--vanilla runs it).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+PROMPTS = (
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+    "Explain the difference between a list and a tuple in Python, with a short example of each.",
+    "A train travels 180 km in 2.5 hours. What is its average speed in km/h and in m/s? Show the steps.",
+    "Write a C function that reverses a singly linked list in place, and explain how it works.",
+)
+
+
+def parse_config(text: str) -> tuple[int, float, list[int] | None]:
+    k, conf, *rest = text.split(":")
+    return int(k), float(conf), [int(t) for t in rest[0].split(",")] if rest else None
+
+
+def main(argv=None) -> None:
+    from polybasic.quant.api import load_any_model
+    from polybasic.runtime.chain import Chain
+    from polybasic.runtime.chain_builder import parse_chain
+    from polybasic.runtime.compiled import compile_levels
+    from polybasic.runtime.generate import generate_tokens
+    from polybasic.runtime.text import encode_prompt, eos_ids
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chain", required=True, help="the levels below the target (polybasic generate --chain)")
+    p.add_argument("--configs", required=True, help="K:CONFIDENCE[:THRESHOLDS] separated by '/'; e.g. 8:0/16:0.5")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--sizes", default="1,2,4,64", help="step sizes the levels below the target compile")
+    p.add_argument("--eager", action="store_true", help="do not compile the levels below the target")
+    p.add_argument("--vanilla", action="store_true", help="time plain decoding of the target too")
+    a = p.parse_args(argv)
+    configs = [parse_config(c) for c in a.configs.split("/")]
+    lm = load_any_model(a.model, a.dtype, "cpu")
+    eos = eos_ids(lm.tokenizer)
+    prompts = [encode_prompt(lm.tokenizer, text) for text in PROMPTS]
+    levels = parse_chain(a.chain, lm)
+    if not a.eager:
+        longest = max(len(x) for x in prompts) + a.tokens + 1
+        print(f"compiled in {compile_levels(levels[1:], longest, None, [int(s) for s in a.sizes.split(',')]):.1f} s")
+    for k, conf, th in configs:  # untimed: a first call of a shape (oneDNN primitives, dynamo guards) is slower
+        Chain(levels, k=k, thresholds=th, eos=eos, draft_confidence=conf).generate(prompts[0], 16)
+    rows = {}
+    for x in prompts:  # configs interleaved per prompt: drifts of the machine hit all alike
+        ref = None
+        if a.vanilla:
+            t0 = time.perf_counter()
+            ref = list(generate_tokens(lm.model, x, a.tokens, eos=eos))
+            rows.setdefault("vanilla", []).append((len(ref), time.perf_counter() - t0, len(ref), {}))
+        for k, conf, th in configs:
+            chain = Chain(levels, k=k, thresholds=th, eos=eos, draft_confidence=conf)
+            t0 = time.perf_counter()
+            out, st = chain.generate(x, a.tokens)
+            dt = time.perf_counter() - t0
+            assert ref is None or out == ref, f"k={k} confidence={conf}: tokens differ from vanilla's"
+            forwards = {lv["name"]: lv["forwards"] for lv in st.levels}
+            rows.setdefault(f"k={k} confidence={conf} thresholds={th}", []).append((len(out), dt, st.target_forwards, forwards))
+    print(f"\n{len(prompts)} prompts, {a.tokens} new tokens, greedy; target {a.model} {a.dtype}, chain {a.chain}")
+    print("| config | tokens/s | tau | forwards per level |\n|---|---|---|---|")
+    for name, r in rows.items():
+        n, dt, tf = sum(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r)
+        fw = {lv: sum(x[3].get(lv, 0) for x in r) for lv in r[0][3]}
+        print(f"| {name} | {n / dt:.2f} | {n / tf:.2f} | {fw or '-'} |")
+
+
+if __name__ == "__main__":
+    main()
