@@ -52,6 +52,8 @@ def test_generate_with_a_chain(folder, capsys):
     chained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert chained["text"] == plain["text"]
     assert [lv["name"] for lv in chained["stats"]["levels"]] == ["target", f"{folder}@bfloat16", "ngram"]
+    assert main(args + ["--chain", f"{folder}@bfloat16", "--k", "8", "--draft-confidence", "0.9"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] == plain["text"]
 
 
 @pytest.mark.parametrize("argv, match", [
