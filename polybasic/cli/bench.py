@@ -55,8 +55,8 @@ def add_parser(sub) -> None:
     p.add_argument("--adaptive-k", action="store_true",
                    help="our chains adapt the bottom level's draft length (1..k) to its acceptance")
     p.add_argument("--draft-confidence", type=float, default=None, metavar="P",
-                   help="our chains: a drafting model level ends its draft after a token it gave a probability "
-                        "below P (lossless) (default: 0, off, or a bundle's for its chain)")
+                   help="our chains: a drafting level (model or EAGLE head) ends its draft after a token it "
+                        "gave a probability below P (lossless) (default: 0, off, or a bundle's for its chain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts per method before timing")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -56,7 +56,7 @@ class Level:
                 generator: torch.Generator | None, eos: frozenset[int],
                 min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
         """Up to k tokens after context, with the distributions they were drawn from [len, V]. A level
-        that can tell its confidence (ModelLevel) stops after a token it gave less than min_confidence."""
+        that can tell its confidence (ModelLevel, EagleLevel) stops after a token it gave less than min_confidence."""
         raise NotImplementedError
 
 

@@ -42,6 +42,12 @@ def test_greedy_lossless_and_proposals_in_vocab():
     toks, q = lvl.propose([3, 9, 4], 4, SamplingConfig(temperature=1.0), make_generator(0, target.device), frozenset())
     assert set(toks) <= set(head.d2t.tolist()) and q.shape == (4, 128)
     torch.testing.assert_close(q.sum(-1), torch.ones(4))
+    # the confidence of a greedy draft: the drafted token's share of the draft vocabulary's softmax
+    assert Chain([tl, lvl], k=6, draft_confidence=0.2).generate([3, 9, 4], 30)[0] == ref
+    greedy_probs = lvl.propose([3, 9, 4], 1, SamplingConfig(), None, frozenset())[1][0]
+    tok = int(greedy_probs.argmax())
+    want = torch.softmax(lvl.logits.float(), -1)[head.d2t.tolist().index(tok)]
+    assert lvl.confidence(0, tok, greedy_probs, SamplingConfig()) == pytest.approx(float(want))
 
 
 def test_sampled_chain_matches_target_distribution():

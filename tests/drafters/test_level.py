@@ -31,6 +31,22 @@ def test_greedy_chain_equals_target(k, prompt):
     assert stats.levels[1]["forwards"] > 0
 
 
+def test_head_drafts_that_stop_when_unsure_stay_exact():
+    """draft_confidence ends a head's draft after a token it was unsure of (EAGLE-2's idea, on the head's raw
+    logits when greedy): the output is still the target's, and drafts do end before k."""
+    target = lean_from_hf(tiny_hf_llama(seed=3, vocab=128, init_std=0.2))
+    prompt = [3, 9, 4, 7, 2, 8, 11]
+    ref = list(generate_tokens(target, prompt, 40))
+    tl = ModelLevel(target, "target")
+    head = EagleLevel(make_head(target), tl)
+    out, stats = Chain([tl, head], k=6, draft_confidence=0.3).generate(prompt, 40)
+    assert out == ref
+    assert any(0 < d < 6 for d in stats.links[0].drafted[:-1])
+    g = torch.Generator().manual_seed(0)
+    toks, q = head.propose(prompt, 6, SamplingConfig(temperature=1.0), g, frozenset(), min_confidence=0.99)
+    assert len(toks) == 1 and head.confidence(0, toks[0], q[0], SamplingConfig(temperature=1.0)) < 0.99
+
+
 def test_greedy_three_level_chain_head_on_middle():
     hf = tiny_hf_llama(seed=3, vocab=128, init_std=0.2)
     target, mid = lean_from_hf(hf), lean_from_hf(perturbed_copy(hf, 0.3))
