@@ -181,13 +181,10 @@ class Chain:
         for new, p in self._rounds(j, context, cap):
             tokens += new
             rows.append(p)
-            if len(tokens) >= self.thresholds[j] or self._unsure(lvl, len(new) - 1, new[-1], p[-1]):
+            if len(tokens) >= self.thresholds[j] or lvl.unsure(len(new) - 1, new[-1], p[-1], self.sampling,
+                                                               self.draft_confidence):
                 break
         return tokens, torch.cat(rows)
-
-    def _unsure(self, lvl: Level, row: int, tok: int, probs: Tensor) -> bool:
-        """Whether level `lvl` gave its last token, row `row` of its last score, less than draft_confidence."""
-        return self.draft_confidence > 0 and lvl.confidence(row, tok, probs, self.sampling) < self.draft_confidence
 
 
 def check_k(k: int) -> None:

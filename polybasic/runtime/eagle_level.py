@@ -32,7 +32,6 @@ class EagleLevel(Level):
             head.bind(base_level.model)
         self.head, self.base, self.name = head.eval(), base_level, name
         self.vocab_size = base_level.vocab_size
-        self.logits: Tensor | None = None  # raw logits of the last distribution drafted from [V'] (confidence)
         self.tokenizer = base_level.tokenizer
         self.max_seq_len = base_level.max_seq_len
 
@@ -105,7 +104,7 @@ class EagleLevel(Level):
             tok = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
             tokens.append(tok)
             rows.append(probs)
-            if tok in eos or i == k - 1 or (min_confidence > 0 and self.confidence(0, tok, probs, sampling) < min_confidence):
+            if tok in eos or i == k - 1 or self.unsure(0, tok, probs, sampling, min_confidence):
                 break
             p = n - 1 + i  # the row reading the token just drafted
             exact = p < n_exact
@@ -119,12 +118,8 @@ class EagleLevel(Level):
     def _probs(self, hidden: Tensor, sampling: SamplingConfig, head=None) -> Tensor:
         """Head features [E] -> the full-vocabulary distribution [V] a draft token is sampled from (through
         `head`, default the head's LM head); its raw logits are kept for confidence()."""
-        self.logits = (head or self.head.logits)(hidden)  # [V'] (the head's draft vocabulary)
-        return self.head.to_full(probs_from_logits(self.logits, sampling))
+        self.logits = (head or self.head.logits)(hidden)[None]  # [1, V'] (the head's draft vocabulary; confidence)
+        return self.head.to_full(probs_from_logits(self.logits[0], sampling))
 
-    def confidence(self, row: int, tok: int, probs: Tensor, sampling: SamplingConfig) -> float:
-        """How sure the head was of its last drafted token `tok` (drawn from `probs` [V]): probs[tok], or under
-        softmax(raw logits) when greedy, as ModelLevel.confidence (a head only proposes: `row` is always 0)."""
-        if not sampling.greedy:
-            return float(probs[tok])
-        return float(self.head.to_full(torch.softmax(self.logits.float(), -1))[tok])
+    def full(self, probs: Tensor) -> Tensor:
+        return self.head.to_full(probs)

@@ -48,9 +48,25 @@ class Level:
     def score(self, context: list[int], draft: list[int], sampling: SamplingConfig) -> Tensor:
         raise NotImplementedError(f"level '{self.name}' cannot verify; put it at the bottom of the chain")
 
+    logits: Tensor | None = None  # raw logits of the rows of its last score or draft step [R, V'] (None: none)
+
+    def full(self, probs: Tensor) -> Tensor:
+        """Probabilities over the level's own logits' vocabulary [..., V'] -> the target's [..., V]."""
+        return probs
+
     def confidence(self, row: int, tok: int, probs: Tensor, sampling: SamplingConfig) -> float:
-        """How sure the level was of `tok` at row `row` of its last score (1.0: it cannot tell)."""
-        return 1.0
+        """How sure the level was of `tok`, drawn from its distribution `probs` [V] at row `row` of its last
+        score or draft step: probs[tok], or under softmax(raw logits) when greedy (whose probs are one-hot);
+        1.0 for a level without logits (it cannot tell)."""
+        if self.logits is None:
+            return 1.0
+        if not sampling.greedy:
+            return float(probs[tok])
+        return float(self.full(torch.softmax(self.logits[row].float(), -1))[tok])
+
+    def unsure(self, row: int, tok: int, probs: Tensor, sampling: SamplingConfig, threshold: float) -> bool:
+        """Whether `threshold` (a draft confidence, 0: off) ends a draft after `tok` (see confidence)."""
+        return threshold > 0 and self.confidence(row, tok, probs, sampling) < threshold
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, eos: frozenset[int],
@@ -84,7 +100,6 @@ class ModelLevel(Level):
         self.cached: list[int] = []  # tokens whose K/V sit in the cache, positions 0..len-1
         self.hidden: Tensor | None = None
         self.hidden_start = 0
-        self.logits: Tensor | None = None  # raw logits of the last score's returned rows [len(draft)+1, V]
 
     def start(self, max_len: int) -> None:
         super().start(max_len)
@@ -132,19 +147,12 @@ class ModelLevel(Level):
                                         tail=len(draft) + 1)  # [1, len(draft)+1, V], [1, M, E]
         self.cached = seq
         self.hidden, self.hidden_start = hidden[0], start
-        self.logits = logits[0, -(len(draft) + 1):]  # [len(draft)+1, V]
+        self.logits = logits[0, -(len(draft) + 1):]  # [len(draft)+1, V] (confidence)
         probs = probs_from_logits(self.logits, sampling)  # [len(draft)+1, V]
         c.forwards += 1
         c.tokens_fed += len(seq) - start
         c.time_s += time.perf_counter() - t0
         return probs
-
-    def confidence(self, row: int, tok: int, probs: Tensor, sampling: SamplingConfig) -> float:
-        """How sure this level was of `tok`, drawn from its distribution `probs` [V] at row `row` of its
-        last score: probs[tok], or under softmax(raw logits) when greedy (whose probs are one-hot)."""
-        if not sampling.greedy:
-            return float(probs[tok])
-        return float(torch.softmax(self.logits[row].float(), -1)[tok])
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, eos: frozenset[int],
@@ -156,7 +164,7 @@ class ModelLevel(Level):
             tok = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
             tokens.append(tok)
             rows.append(probs)
-            if tok in eos or (min_confidence > 0 and self.confidence(0, tok, probs, sampling) < min_confidence):
+            if tok in eos or self.unsure(0, tok, probs, sampling, min_confidence):
                 break
         return tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
 

@@ -46,7 +46,7 @@ def test_greedy_lossless_and_proposals_in_vocab():
     assert Chain([tl, lvl], k=6, draft_confidence=0.2).generate([3, 9, 4], 30)[0] == ref
     greedy_probs = lvl.propose([3, 9, 4], 1, SamplingConfig(), None, frozenset())[1][0]
     tok = int(greedy_probs.argmax())
-    want = torch.softmax(lvl.logits.float(), -1)[head.d2t.tolist().index(tok)]
+    want = torch.softmax(lvl.logits[0].float(), -1)[head.d2t.tolist().index(tok)]
     assert lvl.confidence(0, tok, greedy_probs, SamplingConfig()) == pytest.approx(float(want))
 
 
