@@ -96,7 +96,7 @@ def test_a_level_runs_the_lm_head_on_the_rows_it_returns_only(models):
     ctx = list(range(5, 25))
     p = lvl.score(ctx, [], SamplingConfig())
     assert spy.calls[-1] == (20, 0, {"tail": 1}) and p.shape[0] == 1 == lvl.logits.shape[0]
-    full, _ = models["target"](torch.tensor([ctx]), 0)
+    full, _ = models["target"](torch.tensor([ctx], device=models["target"].device), 0)
     torch.testing.assert_close(lvl.logits[0], full[0, -1], rtol=1e-5, atol=1e-5)  # one GEMM row of 1 or 20
     p = lvl.score(ctx + [7, 8], [9, 10, 11], SamplingConfig())  # 2 new context tokens, 3 drafted
     assert spy.calls[-1] == (5, 20, {"tail": 4}) and p.shape[0] == 4 == lvl.logits.shape[0]
