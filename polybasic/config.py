@@ -89,7 +89,7 @@ QUANT_CONFIG_VERSION = 1
 BITS = (4, 8, 16)
 METHODS = ("rtn", "omniquant", "affinequant", "gguf")
 UNTRAINED = ("rtn", "gguf")  # methods that learn nothing: calibration only propagates the blocks
-KERNELS = ("auto", "int4pack", "int8mm", "dequant")
+KERNELS = ("auto", "int4pack", "int8mm", "dequant", "w4a8")
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -100,7 +100,9 @@ class QuantConfig:
     a_symmetric defaults to False (asymmetric): post-RMSNorm and post-SiLU activations are far
     from zero-centred, and an integer zero point is free in the int8mm kernel (row-sum trick).
     kernel 'int4pack' is weight-only: it runs activations in the model dtype whatever a_bits says (the
-    fast CPU path of §8)."""
+    fast CPU path of §8). kernel 'w4a8' (CPU, groups of 32) quantizes activations to int8 per group of 32
+    at run time whatever a_bits says (AVX-512 VNNI; elsewhere it runs int4pack's kernel); 'auto' never
+    picks it."""
 
     w_bits: int = 4
     a_bits: int = 16
@@ -146,6 +148,10 @@ class QuantConfig:
             check(g in INT4PACK_GROUP_SIZES, f + "group_size",
                   f"kernel 'int4pack' supports group sizes {INT4PACK_GROUP_SIZES}, got {g}",
                   "pick one of those or kernel: dequant")
+        if self.kernel == "w4a8":
+            check(self.w_bits == 4 and g == 32, f + "kernel",
+                  f"'w4a8' needs w_bits=4 in groups of 32, got w_bits={self.w_bits}, group_size={g}",
+                  "set w_bits: 4 and group_size: 32, or kernel: int4pack")
         if self.kernel == "int8mm":
             check(self.w_bits <= 8 and self.a_bits <= 8, f + "kernel",
                   f"'int8mm' needs w_bits and a_bits <= 8, got w{self.w_bits}a{self.a_bits}",
@@ -356,7 +362,7 @@ class QuantizeSection:
     # (group size default: calib.group_size)
     methods: list[str] = field(default_factory=lambda: ["rtn", "omniquant", "affinequant"])  # the grid's methods
     # (rtn, omniquant, affinequant, gguf): every scheme x method is evaluated, only calib's is saved
-    kernel: str = "int4pack"  # the saved model's kernel: auto | int4pack | int8mm | dequant (see QuantConfig)
+    kernel: str = "int4pack"  # the saved model's kernel: auto | int4pack | int8mm | dequant | w4a8 (see QuantConfig)
     exec_dtype: str = "bfloat16"  # the saved model's run-time dtype: float32, bfloat16, float16 (or fp32, bf16, fp16)
     quantize_lm_head: bool = False  # also run the LM head as w_bits weights (RTN) in the saved model
     latency_tokens: list[int] = field(default_factory=lambda: [1, 4, 8, 16])  # latency table columns: M per forward

@@ -172,15 +172,16 @@ def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.
     return use_decode_layout(model.eval().requires_grad_(False))
 
 
-def load_quantized_model(path: str, device: str = "cpu") -> LoadedModel:
+def load_quantized_model(path: str, device: str = "cpu", kernel: str | None = None) -> LoadedModel:
     """A quantized copy written by `polybasic quantize`, with the tokenizer of the model it was
-    made from (recorded in its metadata); it runs in the dtype and kernels it was saved with."""
+    made from (recorded in its metadata); it runs in the dtype and kernels it was saved with (or every
+    quantized layer in `kernel`, see load_quantized)."""
     base = quant_header(path).get("source", "")
     if not base:
         raise ConfigError(f"model: {path} does not record the model it was quantized from (written by an "
                           "older polybasic); re-run `polybasic quantize RECIPE.yaml`")
     folder, args = folder_and_args(base)
-    model = load_quantized(path, lambda: Transformer(args), device=device)
+    model = load_quantized(path, lambda: Transformer(args), device=device, kernel=kernel)
     return LoadedModel(model, load_tokenizer(folder), args, str(path), folder)
 
 

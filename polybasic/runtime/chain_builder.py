@@ -31,14 +31,16 @@ def build_eagle(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
 
 def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
     """A quantized copy of the target, or of another model with the target's tokenizer (a sibling,
-    e.g. `quantize.siblings`): that one is built from its own model's config."""
-    source = quant_header(spec.path).get("source", "")
+    e.g. `quantize.siblings`): that one is built from its own model's config. In the kernels recorded
+    at save time, or in spec.kernel for every quantized layer."""
+    source, kernel = quant_header(spec.path).get("source", ""), spec.kernel or None
     if source and source != target.name:
-        lm = load_quantized_model(spec.path, device)
+        lm = load_quantized_model(spec.path, device, kernel)
         check_same_tokenizer(target.tokenizer, lm.tokenizer, spec.name)
         model, tokenizer = lm.model, lm.tokenizer
     else:
-        model, tokenizer = load_quantized(spec.path, lambda: Transformer(target.args), device=device), target.tokenizer
+        model = load_quantized(spec.path, lambda: Transformer(target.args), device=device, kernel=kernel)
+        tokenizer = target.tokenizer
     keep_dense_for_prefill(model)  # a level prefills every prompt: at dense speed, for memory
     return ModelLevel(model, name=spec.name, tokenizer=tokenizer)
 

@@ -6,7 +6,7 @@ A `ChainSpec` is a tuple of `LevelSpec`s (the target itself is implicit, on top)
 None of them imports torch or loads a model; `runtime.chain_builder.build_chain` turns a spec into levels.
 
 The spelling is '+'-separated levels, top to bottom, optionally after 'target+'; each level kind
-(LEVEL_KINDS: eagle:PATH, ngram[:N], PATH.safetensors, target@DTYPE, SOURCE[@DTYPE], tried in this order)
+(LEVEL_KINDS: eagle:PATH, ngram[:N], PATH.safetensors[@KERNEL], target@DTYPE, SOURCE[@DTYPE], tried in this order)
 parses its own form, and CHAIN_FORMS lists them for help texts. Example: 'target@bfloat16+ngram'.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from polybasic.config import check_dtype
+from polybasic.config import KERNELS, check_dtype
 from polybasic.errors import ConfigError, PolybasicError
 from polybasic.models.preflight import FIX_HEAD, HEAD_CONFIG_KEY, check_source, safetensors_metadata
 
@@ -33,6 +33,7 @@ class LevelSpec:
     source: str = ""  # model: any model source load_model accepts
     dtype: str = "float32"  # model, target: the dtype the weights run in
     path: str = ""  # quantized: the copy's .safetensors; eagle: the head's .safetensors
+    kernel: str = ""  # quantized: run with this kernel (config.KERNELS) instead of the recorded ones ('')
     max_ngram: int = 3  # ngram: longest n-gram looked up in the context
     name: str = ""  # default: the canonical spelling
 
@@ -159,7 +160,17 @@ def _check_head(spec: LevelSpec) -> None:
 
 
 def _parse_quantized(item: str) -> LevelSpec | None:
+    path, at, kernel = item.rpartition("@")
+    if at and path.endswith(".safetensors") and "/" not in kernel:
+        return LevelSpec("quantized", path=path, kernel=kernel, name=item)
     return LevelSpec("quantized", path=item, name=item) if item.endswith(".safetensors") else None
+
+
+def _validate_quantized(spec: LevelSpec) -> None:
+    _needs_path(spec)
+    if spec.kernel and spec.kernel not in KERNELS:
+        raise ConfigError(f"'{spec.path}@{spec.kernel}': unknown kernel '{spec.kernel}'. A quantized copy runs in "
+                          f"the dtype it was saved with; '@' names a kernel to run it with: {', '.join(KERNELS[1:])}")
 
 
 def _parse_target(item: str) -> LevelSpec | None:
@@ -196,9 +207,11 @@ LEVEL_KINDS: dict[str, LevelKind] = {k.name: k for k in [
     LevelKind("ngram", "ngram[:N]", "ngram:3", "prompt lookup: proposes what followed the longest "
               "matching n-gram (N at most, default 3) of the context", ("max_ngram",), _parse_ngram,
               lambda s: f"ngram:{s.max_ngram}", _validate_ngram, builder="polybasic.runtime.chain_builder:build_ngram"),
-    LevelKind("quantized", "PATH.safetensors", "runs/smollm2-cpu/model.safetensors",
-              "a quantized copy of the target written by `polybasic quantize`", ("path",), _parse_quantized,
-              lambda s: s.path, _needs_path, lambda s: check_source(s.path, "quantized copy"),
+    LevelKind("quantized", "PATH.safetensors[@KERNEL]", "runs/smollm2-cpu/model.safetensors@w4a8",
+              "a quantized copy of the target written by `polybasic quantize`, in its recorded kernels or "
+              "another (w4a8: int8 activations, CPUs with AVX-512 VNNI)", ("path", "kernel"), _parse_quantized,
+              lambda s: f"{s.path}@{s.kernel}" if s.kernel else s.path, _validate_quantized,
+              lambda s: check_source(s.path, "quantized copy"),
               "polybasic.runtime.chain_builder:build_quantized"),
     LevelKind("target", "target@DTYPE", "target@bfloat16", "the target's own weights in another dtype",
               ("dtype",), _parse_target, lambda s: f"target@{s.dtype}", _validate_dtype,

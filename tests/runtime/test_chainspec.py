@@ -30,6 +30,11 @@ def test_parse_every_kind():
                                                             name="runs/a@b/folder")  # '@' in a path
     assert parse_level_spec("ngram").max_ngram == 3 and parse_level_spec("target").dtype == "float32"
     assert parse_chain_spec("eagle:h.safetensors").spelling == "eagle:h.safetensors"  # the target is above
+    q = parse_level_spec("runs/a@b/m.safetensors@w4a8")  # a kernel after the path; '@' inside the path kept
+    assert q == LevelSpec("quantized", path="runs/a@b/m.safetensors", kernel="w4a8", name="runs/a@b/m.safetensors@w4a8")
+    assert LevelSpec.from_dict(q.to_dict()) == q and LevelSpec("quantized", path="m.safetensors", kernel="w4a8").name \
+        == "m.safetensors@w4a8"
+    assert LevelSpec.from_dict({"kind": "quantized", "path": "m.safetensors"}).kernel == ""  # a bundle before kernels
 
 
 def test_dict_round_trip_and_form():
@@ -55,7 +60,7 @@ def test_dict_round_trip_and_form():
     ("eagle:", "level 'eagle:'", "needs a file path"),
     ("target@fp8", "level 'target@fp8'", "unknown dtype 'fp8'"),
     ("smollm2-135m@int3", "level 'smollm2-135m@int3'", "unknown dtype 'int3'"),
-    ("m.safetensors@bf16", "level 'm.safetensors@bf16'", "drop '@bf16'"),
+    ("m.safetensors@bf16", "level 'm.safetensors@bf16'", "unknown kernel 'bf16'"),
     ("ngram+eagle:h.safetensors", "'eagle:h.safetensors'", "not a model"),
     ("target@bf16+eagle:a.safetensors+eagle:b.safetensors", "'eagle:b.safetensors'", "not a model"),
 ])

@@ -1,8 +1,9 @@
 """Chains whose every level runs compiled static-shape steps (models.static) stay lossless: greedy output
 equals the target's own greedy decoding, sampled output follows the target's distribution (chi-square),
-for dense, quantized (int4pack, int8mm) and EAGLE-head levels, with rejections, and so rollbacks, at
+for dense, quantized (int4pack, int8mm, w4a8) and EAGLE-head levels, with rejections, and so rollbacks, at
 every depth. The step sizes are kept small (1, 4, 8) so that prompts run in padded chunks too."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -46,7 +47,15 @@ def level_models(hf):
     q4 = quantize_(lean_from_hf(perturbed_copy(hf, 0.02, 1), torch.bfloat16),
                    QuantConfig(w_bits=4, a_bits=16, group_size=32, kernel="int4pack"))
     q8 = quantize_(lean_from_hf(hf), QuantConfig(w_bits=8, a_bits=8, group_size=-1, kernel="int8mm"))
-    return {"target": target, "close": close, "far": far, "q4": q4, "q8": q8}
+    return {"target": target, "close": close, "far": far, "q4": q4, "q8": q8, "qa8": w4a8_copy(hf)}
+
+
+def w4a8_copy(hf):
+    """A perturbed bf16 copy in the CPU kernel 'w4a8' (torch's int4 kernel where it cannot run, with a warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_(lean_from_hf(perturbed_copy(hf, 0.02, 1), torch.bfloat16),
+                         QuantConfig(w_bits=4, group_size=32, kernel="w4a8"))
 
 
 def build_levels(models, names):
@@ -66,6 +75,7 @@ def build_levels(models, names):
 CHAINS = {  # names below the target, top to bottom
     "dense-4": ["close", "far", "ngram"],
     "int4pack-3": ["q4", "ngram"],
+    "w4a8-3": ["qa8", "ngram"],
     "int8mm-dense-3": ["q8", "far"],
     "eagle1-on-middle": ["close", "eagle1@close"],
     "eagle3-on-target": ["eagle3@target"],
@@ -171,14 +181,14 @@ def test_compiled_steps_match_eager_at_every_size_and_rollback(hf):
             torch.testing.assert_close(b1, a1, rtol=1e-4, atol=1e-4)
 
 
-SAMPLED = {"dense-3": ["mid", "small"], "eagle1": ["eagle1@target"]}
+SAMPLED = {"dense-3": ["mid", "small"], "eagle1": ["eagle1@target"], "w4a8-2": ["qa8"]}
 
 
 @pytest.mark.parametrize("name", list(SAMPLED))
 def test_compiled_sampled_chain_matches_target(name):
     hf = tiny_hf_llama(seed=10, **DKW)
     models = {"target": lean_from_hf(hf), "mid": lean_from_hf(perturbed_copy(hf, 0.3, seed=11)),
-              "small": lean_from_hf(tiny_hf_llama(seed=13, **{**DKW, "hidden": 16}))}
+              "small": lean_from_hf(tiny_hf_llama(seed=13, **{**DKW, "hidden": 16})), "qa8": w4a8_copy(hf)}
     levels = build_levels(models, SAMPLED[name])
     compile_levels(levels, 64, sizes=SIZES)
     sampling = SamplingConfig(temperature=1.0)

@@ -1,5 +1,5 @@
-// W4A8 GEMV/GEMM for CPUs with AVX-512 VNNI: 4-bit weight codes x int8 activations (an experiment; see
-// experiments/w4a8_kernel.py for how it is built, laid out and measured).
+// W4A8 GEMV/GEMM for CPUs with AVX-512 VNNI: 4-bit weight codes x int8 activations, the CPU kernel 'w4a8'
+// (polybasic/quant/w4a8.py builds it on first use and packs the layout; experiments/w4a8_kernel.py measures it).
 //
 // y[m, n] = sum_g ( s[n,g] * a[m,g] * sum_{k in g} u[n,k] * xq[m,k]  +  o[n,g] * xsum[m,g] )
 // u: the weight's codes in [0, 15] (w = s * u + o), groups g of 32 input columns. Activations are

@@ -1,0 +1,153 @@
+"""The CPU kernel 'w4a8' (quant.w4a8, kernels/w4a8.cpp) and its linear: exact to its own arithmetic on
+every path, close to the float weights, a clear fallback where it cannot run."""
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polybasic.config import QuantConfig
+from polybasic.errors import ConfigError
+from polybasic.quant import linear as qlinear
+from polybasic.quant import w4a8
+from polybasic.quant.api import load_quantized, quantize_, save_quantized
+from polybasic.quant.linear import DequantLinear, Int4PackLinear, W4A8Linear
+from tests.helpers import lean_from_hf, tiny_hf_llama
+
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
+W4A8 = QuantConfig(w_bits=4, group_size=32, kernel="w4a8")
+
+
+def reference(x, u, s, o):
+    """The kernel's arithmetic in float64: (y [M, N], the summed magnitudes of its terms [M, N])."""
+    m, k = x.shape
+    xg = x.float().view(m, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    xq = torch.where(amax > 0, torch.round(xg * (127 / amax)), torch.zeros_like(xg)).double()
+    a, xsum = (amax[..., 0] / 127).double(), xg.sum(-1).double()  # [M, G]
+    dots = torch.einsum("mgk,ngk->mng", xq, u.double().view(u.shape[0], -1, 32))  # [M, N, G]
+    s16, o16 = s.half().double()[None], o.half().double()[None]
+    scaled, offset = dots * s16 * a[:, None], o16 * xsum[:, None]
+    return (scaled + offset).sum(-1), (scaled.abs() + offset.abs()).sum(-1)
+
+
+@needs_cxx
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 576)])
+def test_kernel_equals_its_float64_reference_on_every_path(n, k):
+    w4a8.build()
+    ops = torch.ops.polybasic_w4a8
+    g = torch.Generator().manual_seed(n + k)
+    u = torch.randint(0, 16, (n, k), generator=g)
+    s = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    o = -8 * s + torch.randn(n, k // 32, generator=g) * 1e-3
+    tiles = w4a8.pack(u, s, o)
+    paths = [True] + ([False] if ops.vnni() else [])  # the plain loops on any CPU, VNNI where the CPU has it
+    for m in (1, 2, 3, 4, 5, 9):  # 4-row blocks and their remainders
+        x = torch.randn(m, k, generator=g)
+        x[0, :32] = 0  # an all-zero activation group (its scale is 0)
+        ref, mags = reference(x, u, s, o)
+        for plain in paths:
+            y = ops.mm(x, tiles, plain)
+            assert y.shape == (m, n) and y.dtype == x.dtype
+            assert ((y.double() - ref).abs() <= 1e-5 * mags + 1e-6).all(), (m, plain)
+        assert w4a8.mm(x.bfloat16(), tiles).dtype == torch.bfloat16
+
+
+def test_layout_places_each_code_where_the_kernel_reads_it():
+    n, k = 16, 64
+    u = (torch.arange(n * k) % 16).view(n, k)
+    tiles = w4a8.pack(u, torch.ones(n, k // 32), torch.zeros(n, k // 32))  # [1, 2, 320]
+    for row, col in [(0, 0), (3, 5), (15, 31), (7, 48), (9, 63)]:
+        g, c = divmod(col, 32)
+        half, r = divmod(c, 16)
+        byte = tiles[0, g, (r // 4) * 64 + 4 * row + r % 4]
+        assert int((byte >> (4 * half)) & 15) == int(u[row, col])
+    assert tiles[0, 0, 256:288].view(torch.float16).tolist() == [1.0] * 16
+
+
+@needs_cxx
+def test_kernel_refuses_a_mismatched_input():
+    w4a8.build()
+    tiles = w4a8.pack(torch.zeros(16, 64, dtype=torch.long), torch.ones(16, 2), torch.zeros(16, 2))
+    with pytest.raises(RuntimeError, match="columns"):
+        w4a8.mm(torch.randn(1, 32), tiles)
+
+
+@needs_cxx
+def test_linear_is_close_to_its_float_weights_and_keeps_the_dense_prefill():
+    if not w4a8.status()[0]:
+        pytest.skip(f"the fast path cannot run here: {w4a8.status()[1]}")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 48, bias=True)
+    mod = W4A8Linear.from_float(lin, W4A8, "l")
+    assert mod.tiles is not None and mod.packed.numel() == 0  # torch's int4 layout is not built
+    ref = DequantLinear.from_float(lin, QuantConfig(w_bits=4, group_size=32, kernel="dequant"))
+    for m in (1, 3, 7):
+        x = torch.randn(2, m, 96)
+        assert ((mod(x) - ref(x)).abs().max() / ref(x).abs().max()) < 0.02  # int8 activations per group of 32
+    x = torch.randn(W4A8Linear.gemm_rows, 96).bfloat16()  # a long bf16 prefill: the dense GEMM
+    assert torch.equal(mod(x), F.linear(x, mod.dense_weight(torch.bfloat16)) + lin.bias.bfloat16())
+
+
+def test_linear_falls_back_to_torchs_int4_kernel_with_a_warning(monkeypatch):
+    monkeypatch.setattr(w4a8, "status", lambda: (False, "no C++ compiler 'g++' on PATH"))
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(64, 32)
+    with pytest.warns(UserWarning, match="cannot run here .no C.. compiler"):
+        qlinear._warn_once.cache_clear()  # warned once per process and message
+        mod = W4A8Linear.from_float(lin, W4A8, "l")
+    assert mod.tiles is None
+    int4 = Int4PackLinear.from_float(lin, QuantConfig(w_bits=4, group_size=32, kernel="int4pack"), "l")
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(mod(x), int4(x))
+
+
+def test_config_and_shapes_are_checked_before_any_work():
+    with pytest.raises(ConfigError, match="QuantConfig.kernel.*groups of 32"):
+        QuantConfig(w_bits=4, group_size=64, kernel="w4a8")
+    with pytest.raises(ConfigError, match="l: kernel 'w4a8' needs out_features % 16"):
+        W4A8Linear(64, 40, W4A8, name="l")
+    assert W4A8Linear.check_shape(64, 32, W4A8, "cuda", "l") == "runs on cpu, not cuda"
+
+
+@needs_cxx
+def test_a_saved_copy_loads_with_the_kernel_and_decodes_alike(tmp_path):
+    hf = tiny_hf_llama(seed=2, vocab=96, hidden=64, layers=1, heads=4, kv_heads=2)
+    q = quantize_(lean_from_hf(hf, torch.bfloat16), QuantConfig(w_bits=4, group_size=32, kernel="int4pack"))
+    save_quantized(q, tmp_path / "q.safetensors", QuantConfig(w_bits=4, group_size=32, kernel="int4pack"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CPU without VNNI falls back, with its warning
+        w = load_quantized(tmp_path / "q.safetensors", lambda: lean_from_hf(hf, torch.bfloat16), kernel="w4a8")
+    kinds = {type(m) for m in w.modules()}
+    assert W4A8Linear in kinds and Int4PackLinear not in kinds - {W4A8Linear}
+    x = torch.tensor([[3, 5, 7, 9]])
+    w.setup_caches(16)
+    q.setup_caches(16)
+    a, b = w(x, 0)[0], q(x, 0)[0]
+    assert (a - b).abs().max() < 0.1 * b.abs().max()  # another kernel of the same codes
+
+
+def test_an_eager_chain_through_a_w4a8_copy_is_the_targets_greedy_output():
+    from polybasic.runtime.chain import Chain
+    from polybasic.runtime.generate import generate_tokens
+    from polybasic.runtime.levels import ModelLevel, NGramLevel
+    from tests.helpers import perturbed_copy
+
+    hf = tiny_hf_llama(seed=4, vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.2)
+    target = lean_from_hf(hf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CPU without VNNI runs torch's int4 kernel instead
+        copy = quantize_(lean_from_hf(perturbed_copy(hf, 0.02, 1), torch.bfloat16), W4A8)
+    assert any(isinstance(m, W4A8Linear) for m in copy.modules())
+    chain = Chain([ModelLevel(target, "target"), ModelLevel(copy, "w4a8"), NGramLevel(max_ngram=2)], k=3,
+                  thresholds=[6], eos={1})
+    g = torch.Generator().manual_seed(5)
+    rejected = False
+    for _ in range(3):
+        prompt = torch.randint(2, 96, (13,), generator=g).tolist()
+        out, stats = chain.generate(prompt, 40)
+        assert out == list(generate_tokens(target, prompt, 40, eos={1}))
+        rejected |= any(a < d for a, d in zip(stats.links[0].accepted, stats.links[0].drafted))
+    assert rejected  # rollbacks exercised
