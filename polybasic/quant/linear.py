@@ -237,7 +237,13 @@ class W4A8Linear(Int4PackLinear):
     (experiments.w4a8_kernel): 1.09x torch's int4 kernel at 1 row, 1.29x at 2, 1.49x at 4, 1.95x at 16."""
 
     kernel = "w4a8"
-    tiles: Tensor | None = None  # the kernel's layout (quant.w4a8.pack); None: torch's int4 kernel runs
+
+    def __init__(self, in_features, out_features, config, bias=False, bias_dtype=torch.float32,
+                 device=None, name="linear"):
+        super().__init__(in_features, out_features, config, bias, bias_dtype, device, name)
+        # the kernel's layout (quant.w4a8.pack), None where torch's int4 kernel runs; a buffer, so that a
+        # compiled step takes it as an input (a plain tensor attribute costs a guard per layer and call)
+        self.register_buffer("tiles", None, persistent=False)
 
     @classmethod
     def check_shape(cls, in_features, out_features, config, device, name):
