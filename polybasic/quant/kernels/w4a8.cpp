@@ -28,7 +28,7 @@ namespace {
 constexpr int64_t G = 32;            // group size, weights and activations
 constexpr int64_t TN = 16;           // rows per tile
 constexpr int64_t BLOCK = 320;       // bytes per (tile, group): 256 of codes, 32 of scales, 32 of offsets
-constexpr int64_t PREFETCH = 16384;  // bytes ahead (measured on a 2-core AMD EPYC: 42 -> 32 ms a model step)
+constexpr int64_t PREFETCH = 16384;  // bytes ahead (2-core AMD EPYC, Qwen 1.5B linears: 30.2 -> 22.7 ms a pass at 2 rows)
 
 // x [M, K] fp32 -> xq [M, K] int8, a [M, K/32], xsum [M, K/32]
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* a, float* xsum) {
