@@ -186,7 +186,7 @@ class Int4PackLinear(QuantLinear):
     def prepare(self) -> None:
         if self.qweight.is_meta:
             return
-        u = (self.codes().to(torch.int32) + 8)  # [out, in] in [0, 15]
+        u = self._unsigned_codes()  # [out, in] in [0, 15]
         if self.qweight.device.type == "cuda":  # checked by the gpu tests (tests/gpu), not on a CPU
             u8 = (u[:, 0::2] << 4 | u[:, 1::2]).to(torch.uint8)  # [out, in/2], high nibble first
             self.packed = torch.ops.aten._convert_weight_to_int4pack(u8, cuda_inner_k_tiles(self.in_features))
@@ -204,10 +204,18 @@ class Int4PackLinear(QuantLinear):
         kernel 113 ms, this + bf16 GEMM ~78 ms, the fp32 dequantization + GEMM 270 ms; even at 128 rows."""
         out, k, g = self.out_features, self.in_features, self.group_size
         s = self.scale.to(dtype).unsqueeze(-1)  # [out, G, 1]
-        off = (-(8 + self.zero.float()) * self.scale).to(dtype).unsqueeze(-1)  # [out, G, 1]
+        off = self._offsets().to(dtype).unsqueeze(-1)  # [out, G, 1]
         p = self.qweight  # [out, in/2] uint8, low nibble = even column
         u = torch.stack(((p & 0xF).to(dtype), (p >> 4).to(dtype)), -1).view(out, k // g, g)  # [out, G, g]
         return torch.addcmul(off, u, s).view(out, k)
+
+    def _unsigned_codes(self) -> Tensor:
+        """u = q + 8 [out, in] int32 in [0, 15]: the codes every int4 layout packs."""
+        return self.codes().to(torch.int32) + 8
+
+    def _offsets(self) -> Tensor:
+        """o [out, G] fp32 with w = s * u + o per group: -(8 + zero) * scale."""
+        return -(8 + self.zero.float()) * self.scale
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., in] -> [..., out], computed in x.dtype
         x2 = x.reshape(-1, self.in_features)  # [M, in]
@@ -263,8 +271,7 @@ class W4A8Linear(Int4PackLinear):
             _warn_once(f"kernel 'w4a8' cannot run here ({why}); its layers run torch's int4 kernel instead")
             self.tiles = None
             return super().prepare()
-        s = self.scale.float()  # [out, G]
-        self.tiles = w4a8.pack(self.codes().to(torch.int16) + 8, s, -(8 + self.zero.float()) * s)  # w = s*u + o
+        self.tiles = w4a8.pack(self._unsigned_codes(), self.scale, self._offsets())  # w = s * u + o
         self._dense_rows = self.gemm_rows
 
     def _kernel_mm(self, x2: Tensor) -> Tensor:
