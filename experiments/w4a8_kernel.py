@@ -49,15 +49,17 @@ def main(argv=None) -> None:
     print(f"read ceiling: torch.amax of {a.ceiling_mib} MiB uint8: {big.numel() / dt / 1e9:.1f} GB/s")
     del big
     g = torch.Generator().manual_seed(0)
-    weights, nbytes = [], 0
+    weights, n4, n8 = [], 0, 0  # bytes a pass reads in torch's layout and in w4a8's
     for n, k in model_shapes(a.hidden, a.inter, a.kv, a.vocab, a.layers):
         u = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
         s = torch.rand(n, k // GROUP, generator=g) * 0.02
         o = -8 * s
         sz = torch.stack((s, o), -1).transpose(0, 1).contiguous().bfloat16()  # [G, N, 2], torch's layout
         weights.append((k, torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 2), sz, w4a8.pack(u, s, o)))
-        nbytes += n * k // 2 + sz.numel() * 2
-    print(f"{len(weights)} linears, {nbytes / 1e9:.2f} GB of codes, scales and offsets in either layout\n")
+        n4 += n * k // 2 + sz.numel() * 2
+        n8 += weights[-1][3].numel()
+    print(f"{len(weights)} linears; codes, scales and offsets: {n4 / 1e9:.2f} GB in torch's layout (bf16 scales "
+          f"and offsets), {n8 / 1e9:.2f} GB in w4a8's (int8 ones, fp16 factors per 256 columns)\n")
     print("| M | int4pack (aten) ms | GB/s | w4a8 (VNNI) ms | GB/s | int4pack / w4a8 |\n|---|---|---|---|---|---|")
     for m in [int(t) for t in a.tokens.split(",")]:
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w[0] for w in weights}}
@@ -69,7 +71,7 @@ def main(argv=None) -> None:
             for name, f in runs.items():
                 best[name].append(_timed(f))
         t4, t8 = min(best["int4pack"]), min(best["w4a8"])
-        print(f"| {m} | {t4 * 1e3:.1f} | {nbytes / t4 / 1e9:.1f} | {t8 * 1e3:.1f} | {nbytes / t8 / 1e9:.1f} | {t4 / t8:.2f}x |")
+        print(f"| {m} | {t4 * 1e3:.1f} | {n4 / t4 / 1e9:.1f} | {t8 * 1e3:.1f} | {n8 / t8 / 1e9:.1f} | {t4 / t8:.2f}x |")
 
 
 def _timed(f) -> float:

@@ -18,9 +18,12 @@ from importlib.resources import files
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-GROUP, TILE, BLOCK = 32, 16, 320  # as in kernels/w4a8.cpp: columns per group, rows per tile, bytes per (tile, group)
+# as in kernels/w4a8.cpp: columns per group, rows per tile, groups per super-block, bytes of a (tile,
+# super-block) header and of a (tile, group) block
+GROUP, TILE, SUPER, HEAD, BLOCK = 32, 16, 8, 64, 288
 SOURCE = files("polybasic.quant") / "kernels" / "w4a8.cpp"
 
 
@@ -81,15 +84,59 @@ def status() -> tuple[bool, str]:
     return True, ""
 
 
+def tile_bytes(k: int) -> int:
+    """Bytes of one row tile's stream for k input columns."""
+    g = k // GROUP
+    return -(-g // SUPER) * HEAD + g * BLOCK
+
+
+def factor(v: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-group values v [N, G] -> (d [N, ceil(G/8)] fp16, q [N, G] int8) with v ~ d * q per super-block of
+    8 groups. d is the super-block's max |v| / 63 where that is exact (scales and mins of llama.cpp's Q4_K
+    are 6-bit integers times one fp16 factor per 256 columns, so a copy made from its codes keeps them),
+    else / 127: whichever reconstructs the super-block more closely."""
+    n, g = v.shape
+    nsb = -(-g // SUPER)
+    blocks = F.pad(v.float(), (0, nsb * SUPER - g)).view(n, nsb, SUPER)  # [N, nsb, 8]
+    amax = blocks.abs().amax(-1)  # [N, nsb]
+    best = None
+    for top in (63, 127):
+        d = (amax / top).half().float()  # [N, nsb], as stored
+        q = torch.where(d[..., None] > 0, torch.round(blocks / d[..., None].clamp_min(1e-30)), 0).clamp(-127, 127)
+        err = (q * d[..., None] - blocks).abs().amax(-1)  # [N, nsb]
+        if best is None:
+            best = (d, q, err)
+        else:
+            take = err < best[2]
+            best = (torch.where(take, d, best[0]), torch.where(take[..., None], q, best[1]), None)
+    d, q, _ = best
+    return d.half(), q.view(n, -1)[:, :g].to(torch.int8)
+
+
+def effective(v: Tensor) -> Tensor:
+    """The per-group values [N, G] fp32 the kernel computes with: factor()'s d * q."""
+    d, q = factor(v)
+    return d.float().repeat_interleave(SUPER, 1)[:, :q.shape[1]] * q.float()
+
+
 def pack(u: Tensor, s: Tensor, o: Tensor) -> Tensor:
     """Codes u [N, K] in [0, 15], scales s and offsets o [N, K/32] (w = s * u + o) -> the kernel's
-    tiles [N/16, K/32, 320] uint8: per (tile, group) 256 bytes of codes, 16 fp16 scales, 16 fp16 offsets."""
+    tiles [N/16, tile_bytes(K)] uint8 (layout in kernels/w4a8.cpp): per row tile, super-blocks of a
+    64-byte header (fp16 factors of the scales and offsets, per row) and 288 bytes per group (codes,
+    int8 scales, int8 offsets)."""
     n, k = u.shape
     t, g = n // TILE, k // GROUP
     u6 = u.to(torch.uint8).view(t, TILE, g, 2, 4, 4)  # [tile, row, group, half, load, byte]
     codes = (u6[:, :, :, 0] | (u6[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(t, g, 256)
-    per_row = [v.to(torch.float16).view(t, TILE, g).transpose(1, 2).contiguous().view(torch.uint8) for v in (s, o)]
-    return torch.cat([codes, *per_row], -1).contiguous()  # [t, g, 320]
+    (ds, s8), (do, o8) = factor(s), factor(o)
+    per_group = [v.view(t, TILE, g).transpose(1, 2).contiguous().view(torch.uint8) for v in (s8, o8)]
+    blocks = torch.cat([codes, *per_group], -1)  # [t, g, 288]
+    heads = torch.cat([v.view(t, TILE, -1).transpose(1, 2).contiguous().view(torch.uint8)
+                       for v in (ds, do)], -1)  # [t, nsb, 64]
+    parts = []
+    for b in range(heads.shape[1]):
+        parts += [heads[:, b], blocks[:, b * SUPER:(b + 1) * SUPER].reshape(t, -1)]
+    return torch.cat(parts, -1).contiguous()  # [t, tile_bytes(k)]
 
 
 def mm(x: Tensor, tiles: Tensor) -> Tensor:

@@ -28,13 +28,13 @@ def reference(x, u, s, o):
     xq = torch.where(amax > 0, torch.round(xg * (127 / amax)), torch.zeros_like(xg)).double()
     a, xsum = (amax[..., 0] / 127).double(), xg.sum(-1).double()  # [M, G]
     dots = torch.einsum("mgk,ngk->mng", xq, u.double().view(u.shape[0], -1, 32))  # [M, N, G]
-    s16, o16 = s.half().double()[None], o.half().double()[None]
-    scaled, offset = dots * s16 * a[:, None], o16 * xsum[:, None]
+    s8, o8 = w4a8.effective(s).double()[None], w4a8.effective(o).double()[None]  # [1, N, G] as the kernel keeps them
+    scaled, offset = dots * s8 * a[:, None], o8 * xsum[:, None]
     return (scaled + offset).sum(-1), (scaled.abs() + offset.abs()).sum(-1)
 
 
 @needs_cxx
-@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 576)])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 576), (32, 1024)])  # 1, 3, 18 (a partial super-block), 32 groups
 def test_kernel_equals_its_float64_reference_on_every_path(n, k):
     w4a8.build()
     ops = torch.ops.polybasic_w4a8
@@ -52,19 +52,40 @@ def test_kernel_equals_its_float64_reference_on_every_path(n, k):
             y = ops.mm(x, tiles, plain)
             assert y.shape == (m, n) and y.dtype == x.dtype
             assert ((y.double() - ref).abs() <= 1e-5 * mags + 1e-6).all(), (m, plain)
-        assert w4a8.mm(x.bfloat16(), tiles).dtype == torch.bfloat16
+        for dt in (torch.bfloat16, torch.float16):  # read and written in x's dtype: as fp32 in, rounded once out
+            assert torch.equal(w4a8.mm(x.to(dt), tiles), w4a8.mm(x.to(dt).float(), tiles).to(dt))
 
 
-def test_layout_places_each_code_where_the_kernel_reads_it():
-    n, k = 16, 64
+def test_layout_places_each_code_and_factor_where_the_kernel_reads_it():
+    n, k = 16, 9 * 32  # two super-blocks: 8 groups, then 1
     u = (torch.arange(n * k) % 16).view(n, k)
-    tiles = w4a8.pack(u, torch.ones(n, k // 32), torch.zeros(n, k // 32))  # [1, 2, 320]
-    for row, col in [(0, 0), (3, 5), (15, 31), (7, 48), (9, 63)]:
+    s = torch.full((n, k // 32), 63 / 128)  # Q4_K-like: 6-bit integers times an fp16 factor (1/128)
+    s[3, 2] = 32 / 128
+    tiles = w4a8.pack(u, s, -s)  # [1, 2 * 64 + 9 * 288]
+    assert tiles.shape == (1, w4a8.tile_bytes(k)) == (1, 2 * 64 + 9 * 288)
+    for row, col in [(0, 0), (3, 5), (15, 31), (7, 48), (9, 63), (4, 270)]:
         g, c = divmod(col, 32)
         half, r = divmod(c, 16)
-        byte = tiles[0, g, (r // 4) * 64 + 4 * row + r % 4]
+        block = 64 * (1 + g // 8) + 288 * g  # after the header of the group's super-block
+        byte = tiles[0, block + (r // 4) * 64 + 4 * row + r % 4]
         assert int((byte >> (4 * half)) & 15) == int(u[row, col])
-    assert tiles[0, 0, 256:288].view(torch.float16).tolist() == [1.0] * 16
+    head = tiles[0, :64].view(torch.float16).float()  # super-block 0: per row d of the scales, then of the offsets
+    s8, o8 = tiles[0, 64 + 256:64 + 288].view(torch.int8).view(2, 16)  # group 0's int8 scales and offsets
+    assert torch.equal(head[:16] * s8, s[:, 0]) and torch.equal(head[16:] * o8, -s[:, 0])
+    assert head[:16].tolist() == [1 / 128] * 16 and s8.tolist() == [63] * 16
+    assert torch.equal(w4a8.effective(s), s)
+
+
+def test_factors_keep_q4k_scales_exact_and_others_within_a_step():
+    g = torch.Generator().manual_seed(0)
+    d = (torch.rand(8, 3, generator=g) * 0.01).half().float()  # Q4_K: an fp16 factor per 256 columns ...
+    sc = torch.randint(0, 64, (8, 24), generator=g)  # ... times 6-bit integers
+    sc[:, ::8] = 63
+    s = d.repeat_interleave(8, 1) * sc
+    assert torch.equal(w4a8.effective(s), s)
+    v = torch.randn(8, 20, generator=g)  # anything else: int8 steps of max |v| / 127 per super-block
+    step = F.pad(v, (0, 4)).abs().view(8, 3, 8).amax(-1).repeat_interleave(8, 1)[:, :20] / 127
+    assert ((w4a8.effective(v) - v).abs() <= 0.5001 * step + 1e-9).all()
 
 
 @needs_cxx

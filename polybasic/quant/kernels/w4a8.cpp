@@ -2,14 +2,18 @@
 // (polybasic/quant/w4a8.py builds it on first use and packs the layout; experiments/w4a8_kernel.py measures it).
 //
 // y[m, n] = sum_g ( s[n,g] * a[m,g] * sum_{k in g} u[n,k] * xq[m,k]  +  o[n,g] * xsum[m,g] )
-// u: the weight's codes in [0, 15] (w = s * u + o), groups g of 32 input columns. Activations are
-// quantized per group of 32 at every call: a = max|x| / 127, xq = round(x / a); xsum is their exact sum.
+// u: the weight's codes in [0, 15] (w = s * u + o), groups g of 32 input columns. The scales and offsets
+// are 8-bit per group times an fp16 factor per row and super-block of 8 groups (256 columns), as in
+// llama.cpp's Q4_K: s = ds * s8, o = dof * o8 (exact in fp32). Activations are quantized per group of 32
+// at every call: a = max|x| / 127, xq = round(x / a); xsum is the exact sum of x.
 //
-// Layout, [N/16, K/32, 320] bytes: for row tile t (rows 16t..16t+15) and group g, 256 bytes of codes, then
-// 16 fp16 scales and 16 fp16 offsets (one per row). In the codes, load L (0..3) is 64 bytes whose byte
-// 4i+c holds u[16t+i, 32g+4L+c] in its low nibble and u[16t+i, 32g+16+4L+c] in its high one: split into
-// nibbles, one load gives each row (a 32-bit lane) 4 + 4 consecutive codes, what vpdpbusd multiplies
-// with 4 activation bytes broadcast to every lane. One stream per thread: codes, scales, offsets.
+// Layout, [N/16, bytes per tile]: row tile t (rows 16t..16t+15) is one stream of super-blocks, each
+// 64 bytes of header (16 fp16 ds, then 16 fp16 dof: one per row) and then, per group of the super-block
+// (8, fewer in the last), 288 bytes: 256 of codes, 16 int8 s8 and 16 int8 o8 (one per row). 4.625 bits a
+// weight. In the codes, load L (0..3) is 64 bytes whose byte 4i+c holds u[16t+i, 32g+4L+c] in its low
+// nibble and u[16t+i, 32g+16+4L+c] in its high one: split into nibbles, one load gives each row (a 32-bit
+// lane) 4 + 4 consecutive codes, what vpdpbusd multiplies with 4 activation bytes broadcast to every lane.
+// x may be fp32, bf16 or fp16; y comes back in x's dtype (converted once, at the store).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,17 +31,26 @@ namespace {
 
 constexpr int64_t G = 32;            // group size, weights and activations
 constexpr int64_t TN = 16;           // rows per tile
-constexpr int64_t BLOCK = 320;       // bytes per (tile, group): 256 of codes, 32 of scales, 32 of offsets
+constexpr int64_t SB = 8;            // groups per super-block
+constexpr int64_t HEAD = 64;         // bytes per (tile, super-block) header: 16 fp16 ds, 16 fp16 dof
+constexpr int64_t BLOCK = 288;       // bytes per (tile, group): 256 of codes, 16 of s8, 16 of o8
 constexpr int64_t PREFETCH = 16384;  // bytes ahead (2-core AMD EPYC, Qwen 1.5B linears: 30.2 -> 22.7 ms a pass at 2 rows)
 
-// x [M, K] fp32 -> xq [M, K] int8, a [M, K/32], xsum [M, K/32]
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* a, float* xsum) {
+int64_t tile_bytes(int64_t ng) { return (ng + SB - 1) / SB * HEAD + ng * BLOCK; }
+
+// x [M, K] -> xq [M, K] int8, a [M, K/32], xsum [M, K/32]
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* a, float* xsum) {
   const int64_t ng = K / G;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < ng; ++g) {
-      const float* v = x + m * K + g * G;
+      float v[G];
       float amax = 0.f, sum = 0.f;
-      for (int64_t k = 0; k < G; ++k) { amax = std::fmax(amax, std::fabs(v[k])); sum += v[k]; }
+      for (int64_t k = 0; k < G; ++k) {
+        v[k] = static_cast<float>(x[m * K + g * G + k]);
+        amax = std::fmax(amax, std::fabs(v[k]));
+        sum += v[k];
+      }
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       for (int64_t k = 0; k < G; ++k) xq[m * K + g * G + k] = static_cast<int8_t>(std::nearbyint(v[k] * inv));
       a[m * ng + g] = amax / 127.f;
@@ -47,16 +60,25 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* a, f
 
 float fp16_at(const uint8_t* p, int64_t i) { return static_cast<float>(reinterpret_cast<const at::Half*>(p)[i]); }
 
+template <typename T>
+void store_row(T* y, const float* v) {  // 16 values, rounded once to y's dtype
+  for (int64_t i = 0; i < TN; ++i) y[i] = static_cast<T>(v[i]);
+}
+
 // Any CPU: the same arithmetic in plain loops (integer dots exact, then the same float terms).
-void tiles_plain(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, float* y,
+template <typename T>
+void tiles_plain(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                  int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  const int64_t ng = K / G;
+  const int64_t ng = K / G, tb = tile_bytes(ng);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t m = 0; m < M; ++m) {
       float res[TN] = {0};
+      const uint8_t* blk = w + t * tb;
+      const uint8_t* head = blk;
       for (int64_t g = 0; g < ng; ++g) {
-        const uint8_t* blk = w + (t * ng + g) * BLOCK;
+        if (g % SB == 0) { head = blk; blk += HEAD; }
         const int8_t* xg = xq + m * K + g * G;
+        const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 256);
         for (int64_t i = 0; i < TN; ++i) {
           int32_t dot = 0;
           for (int64_t L = 0; L < 4; ++L)
@@ -64,25 +86,37 @@ void tiles_plain(const uint8_t* w, const int8_t* xq, const float* a, const float
               const uint8_t b = blk[L * 64 + 4 * i + c];
               dot += int32_t(b & 15) * xg[4 * L + c] + int32_t(b >> 4) * xg[16 + 4 * L + c];
             }
-          res[i] += float(dot) * (fp16_at(blk + 256, i) * a[m * ng + g]) + fp16_at(blk + 288, i) * xsum[m * ng + g];
+          const float s = fp16_at(head, i) * float(s8[i]), o = fp16_at(head + 32, i) * float(s8[TN + i]);
+          res[i] += float(dot) * (s * a[m * ng + g]) + o * xsum[m * ng + g];
         }
+        blk += BLOCK;
       }
-      for (int64_t i = 0; i < TN; ++i) y[m * N + t * TN + i] = res[i];
+      store_row(y + m * N + t * TN, res);
     }
 }
 
 #if PB_VNNI
+__m512 int8_to_ps(const uint8_t* p) {  // 16 int8 -> 16 fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // MB activation rows at once: a group's 8 unpacked code registers serve every row.
-template <int MB>
-void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, float* y,
+template <int MB, typename T>
+void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                 int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  const int64_t ng = K / G;
+  const int64_t ng = K / G, tb = tile_bytes(ng);
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 res[MB];
     for (int r = 0; r < MB; ++r) res[r] = _mm512_setzero_ps();
-    const uint8_t* blk = w + t * ng * BLOCK;
+    const uint8_t* blk = w + t * tb;
+    __m512 ds = _mm512_setzero_ps(), dof = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; ++g, blk += BLOCK) {
+      if (g % SB == 0) {
+        ds = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        dof = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+        blk += HEAD;
+      }
       for (int L = 0; L < 5; ++L) _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * L), _MM_HINT_T0);
       __m512i lo[4], hi[4];
       for (int L = 0; L < 4; ++L) {
@@ -90,8 +124,8 @@ void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float*
         lo[L] = _mm512_and_si512(v, nib);
         hi[L] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       }
-      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
-      const __m512 ov = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+      const __m512 sv = _mm512_mul_ps(ds, int8_to_ps(blk + 256));
+      const __m512 ov = _mm512_mul_ps(dof, int8_to_ps(blk + 272));
       for (int r = 0; r < MB; ++r) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xq + r * K + g * G);
         __m512i dot = _mm512_setzero_si512();
@@ -103,41 +137,57 @@ void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float*
         res[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsum[r * ng + g]), res[r]);
       }
     }
-    for (int r = 0; r < MB; ++r) _mm512_storeu_ps(y + r * N + t * TN, res[r]);
+    for (int r = 0; r < MB; ++r) {
+      alignas(64) float v[TN];
+      _mm512_store_ps(v, res[r]);
+      store_row(y + r * N + t * TN, v);
+    }
   }
 }
 #endif
 
-at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, bool plain) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "w4a8_mm: x must be a 2-D CPU tensor [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == BLOCK && packed.is_contiguous(),
-              "w4a8_mm: packed must be contiguous uint8 [N/16, K/32, 320]");
-  TORCH_CHECK(packed.size(1) * G == x.size(1), "w4a8_mm: x has ", x.size(1), " columns, the weight ", packed.size(1) * G);
-  const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), N = T * TN, ng = K / G;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kChar));
-  at::Tensor a = at::empty({M, ng}, xf.options()), xsum = at::empty({M, ng}, xf.options());
-  at::Tensor y = at::empty({M, N}, xf.options());
-  quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(), xsum.data_ptr<float>());
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y, bool plain) {
+  const int64_t M = x.size(0), K = x.size(1), nt = packed.size(0), N = nt * TN, ng = K / G;
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor a = at::empty({M, ng}, x.options().dtype(at::kFloat)), xsum = at::empty({M, ng}, a.options());
+  quantize_rows(x.data_ptr<T>(), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(), xsum.data_ptr<float>());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int8_t* q = xq.data_ptr<int8_t>();
   const float *ap = a.data_ptr<float>(), *sp = xsum.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {  // needs -fopenmp, or it runs on one thread
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, nt, 4, [&](int64_t t0, int64_t t1) {  // needs -fopenmp, or it runs on one thread
 #if PB_VNNI
     if (!plain) {
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t mb = std::min<int64_t>(4, M - m);
-        auto run = [&](auto kernel) { kernel(w, q + m * K, ap + m * ng, sp + m * ng, yp + m * N, N, K, t0, t1); };
-        if (mb == 1) run(tiles_vnni<1>); else if (mb == 2) run(tiles_vnni<2>);
-        else if (mb == 3) run(tiles_vnni<3>); else run(tiles_vnni<4>);
+        auto go = [&](auto kernel) { kernel(w, q + m * K, ap + m * ng, sp + m * ng, yp + m * N, N, K, t0, t1); };
+        if (mb == 1) go(tiles_vnni<1, T>); else if (mb == 2) go(tiles_vnni<2, T>);
+        else if (mb == 3) go(tiles_vnni<3, T>); else go(tiles_vnni<4, T>);
       }
       return;
     }
 #endif
     tiles_plain(w, q, ap, sp, yp, M, N, K, t0, t1);
   });
-  return y.to(x.scalar_type());
+}
+
+at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& packed, bool plain) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() && x_in.is_floating_point(),
+              "w4a8_mm: x must be a 2-D floating-point CPU tensor [M, K]");
+  TORCH_CHECK(x_in.size(1) % G == 0, "w4a8_mm: x has ", x_in.size(1), " columns, not a multiple of ", G);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "w4a8_mm: packed must be contiguous uint8 [N/16, bytes per tile]");
+  TORCH_CHECK(packed.size(1) == tile_bytes(x_in.size(1) / G), "w4a8_mm: x has ", x_in.size(1),
+              " columns, the weight's tiles hold ", packed.size(1), " bytes (", tile_bytes(x_in.size(1) / G), " for x's)");
+  const auto st = x_in.scalar_type();
+  const bool native = st == at::kFloat || st == at::kBFloat16 || st == at::kHalf;
+  const at::Tensor x = (native ? x_in : x_in.to(at::kFloat)).contiguous();
+  at::Tensor y = at::empty({x.size(0), packed.size(0) * TN}, x.options());
+  if (x.scalar_type() == at::kBFloat16) run<at::BFloat16>(x, packed, y, plain);
+  else if (x.scalar_type() == at::kHalf) run<at::Half>(x, packed, y, plain);
+  else run<float>(x, packed, y, plain);
+  return native ? y : y.to(st);
 }
 
 bool w4a8_vnni() { return PB_VNNI; }
