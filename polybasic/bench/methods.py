@@ -59,7 +59,8 @@ class BenchContext:
     step_sizes: list[int] | None = None  # token counts the *-compiled methods compile (None: models.static's)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
     dtype: str = "float32"  # the target's dtype (--dtype): hf-assisted's assistant defaults to it
-    max_prompt_tokens: int = 0  # the longest prompt of the run (compiled runners size caches once)
+    max_prompt_tokens: int = 0  # the longest prompt of the run (compiled runners size caches for it)
+    prompt_tokens: tuple[int, ...] = ()  # every prompt's length (compiled runners warm each one's cache size)
     gguf: Path | None = None  # the GGUF the target was expanded from (compiled steps read its codes)
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
     bundle: object = None  # a runtime.bundle.BundleDecoder: method `chain` runs its chain
@@ -177,19 +178,20 @@ def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, me
 
 
 def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: str) -> None:
-    """Compile `levels` (target first) for the run's longest request, every step size at once (no
-    compile lands in a timed prompt), and record the time it took in ctx.compile_s[method]."""
+    """Compile `levels` (target first) for the run's requests, every step size and cache size at once
+    (no compile lands in a timed prompt), and record the time it took in ctx.compile_s[method]."""
+    cap = ctx.model.args.max_seq_len
     longest = ctx.max_prompt_tokens + ctx.max_new_tokens + 1 if ctx.max_prompt_tokens else 256
+    lengths = [min(cap, n + ctx.max_new_tokens + 1) for n in ctx.prompt_tokens]
     say = lambda msg: print(f"[{method}: {msg}]", file=sys.stderr)  # noqa: E731
-    ctx.compile_s[method] = compile_levels(levels, min(ctx.model.args.max_seq_len, longest), gguf,
-                                           ctx.step_sizes, say, f"--methods {method}")
+    ctx.compile_s[method] = compile_levels(levels, min(cap, longest), gguf, ctx.step_sizes, say,
+                                           f"--methods {method}", lengths)
 
 
 @register("vanilla-compiled", MethodArg("DTYPE", check=_check_dtype_arg))
 def _vanilla_compiled(ctx: BenchContext, arg: str | None) -> Runner:
     """Our lean decoder with its one-token step torch.compiled (a separate copy of the target, in
-    DTYPE with vanilla-compiled:DTYPE; it compiles during warm-up, with caches sized once for the
-    longest prompt of the run). With a GGUF source and fp32 weights, the step reads the file's block
+    DTYPE with vanilla-compiled:DTYPE; it compiles during warm-up, for every prompt's cache size). With a GGUF source and fp32 weights, the step reads the file's block
     codes, expanded in registers to the same fp32 weights (other dtypes read their dense weights)."""
     return _compiled_runner(ctx, ctx.gguf, arg, "vanilla-compiled")
 

@@ -13,11 +13,14 @@ from polybasic.runtime.levels import Level, ModelLevel
 
 
 def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | None = None, sizes=None,
-                   notify: Callable[[str], None] | None = None, flag: str = "--compile") -> float:
+                   notify: Callable[[str], None] | None = None, flag: str = "--compile",
+                   lengths: Sequence[int] = ()) -> float:
     """Compile the forwards of every model level and EAGLE head in `levels` (target first), with caches
     for sequences of up to `max_len` tokens, and run each step size until it is steady (StaticSteps.warm_runs).
-    gguf: the file the target's fp32 weights were expanded from (its steps of up to gguf_codes.CODED_ROWS
-    tokens read the block codes). Returns the seconds it took
+    lengths: the longest sequence of each request to come (e.g. a benchmark's prompts plus their token
+    budget); their caches' size classes are warmed too (Transformer.setup_caches), so that no request
+    compiles. gguf: the file the target's fp32 weights were expanded from (its steps of up to
+    gguf_codes.CODED_ROWS tokens read the block codes). Returns the seconds it took
     (compiling, or loading compiled steps from inductor's cache). Model-free levels are left as they are."""
     t0 = time.perf_counter()
     models = []
@@ -32,8 +35,13 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
         compile_for_device(lvl.head, flag=flag, sizes=sizes, notify=notify)
         lvl.head.bind(lvl.base.model)
         lvl.head.setup_caches(max_len + 1)
-    for m in models:
-        m.warm_steps()
+    warmed = set()  # (model, cache size class)
+    for n in [*sorted(set(lengths)), max_len]:  # max_len last: the caches end in its size class
+        for m in models:
+            m.setup_caches(n)
+            if (id(m), m.max_seq_len) not in warmed:
+                m.warm_steps()
+                warmed.add((id(m), m.max_seq_len))
     for lvl in heads:
         lvl.head.warm_steps(tuple({lvl.head.cfg.dim, lvl.base.model.args.dim * (1 + len(lvl.head.cfg.feature_layers))}))
     return time.perf_counter() - t0

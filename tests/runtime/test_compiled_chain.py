@@ -210,3 +210,24 @@ def test_a_copy_of_a_compiled_model_is_eager(hf):
         twin.output.weight.mul_(-1.0)  # tied: the embedding too
     prompt = list(range(2, 20))
     assert list(generate_tokens(twin, prompt, 8)) != list(generate_tokens(model, prompt, 8))
+
+
+def test_caches_take_each_requests_size_class_and_compile_levels_warms_them():
+    """Static caches shrink as well as grow to a request's size class (a step reads every cache row);
+    compile_levels(lengths=) compiles every class a run needs before its first request, so requests of
+    both classes then compile nothing, and the chain stays the target's greedy output in each."""
+    hf = tiny_hf_llama(seed=0, max_pos=1024, **KW)
+    models = {"target": lean_from_hf(hf), "close": lean_from_hf(perturbed_copy(hf, 0.02, 1))}
+    levels = build_levels(models, ["close"])
+    compile_levels(levels, 300, sizes=SIZES, lengths=[40, 290])  # classes of 256 and 512 rows
+    comp = models["close"]
+    steps = comp._static
+    assert comp.max_seq_len == 512 and steps.compiles > 0
+    compiles = steps.compiles
+    chain = Chain(levels, k=3, eos={1})
+    for n, rows in [(20, 256), (270, 512), (20, 256)]:
+        prompt = [2 + (5 * i) % 90 for i in range(n)]
+        out, _ = chain.generate(prompt, 12)
+        assert comp.max_seq_len == rows and comp.layers[0].attention.kv_cache.k.shape[-2] == rows + max(SIZES)
+        assert out == list(generate_tokens(models["target"], prompt, 12, eos={1}))
+    assert steps.compiles == compiles  # every class was warmed before the first request
