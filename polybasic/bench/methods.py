@@ -191,8 +191,9 @@ def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: 
 @register("vanilla-compiled", MethodArg("DTYPE", check=_check_dtype_arg))
 def _vanilla_compiled(ctx: BenchContext, arg: str | None) -> Runner:
     """Our lean decoder with its one-token step torch.compiled (a separate copy of the target, in
-    DTYPE with vanilla-compiled:DTYPE; it compiles during warm-up, for every prompt's cache size). With a GGUF source and fp32 weights, the step reads the file's block
-    codes, expanded in registers to the same fp32 weights (other dtypes read their dense weights)."""
+    DTYPE with vanilla-compiled:DTYPE; it compiles during warm-up, for every prompt's cache size).
+    With a GGUF source and fp32 weights, the step reads the file's block codes, expanded in registers
+    to the same fp32 weights (other dtypes read their dense weights)."""
     return _compiled_runner(ctx, ctx.gguf, arg, "vanilla-compiled")
 
 

@@ -28,13 +28,13 @@ def reference(x, u, s, o):
     xq = torch.where(amax > 0, torch.round(xg * (127 / amax)), torch.zeros_like(xg)).double()
     a, xsum = (amax[..., 0] / 127).double(), xg.sum(-1).double()  # [M, G]
     dots = torch.einsum("mgk,ngk->mng", xq, u.double().view(u.shape[0], -1, 32))  # [M, N, G]
-    s8, o8 = w4a8.effective(s).double()[None], w4a8.effective(o).double()[None]  # [1, N, G] as the kernel keeps them
+    s8, o8 = w4a8.effective(s).double()[None], w4a8.effective(o).double()[None]  # [1, N, G], the kernel's
     scaled, offset = dots * s8 * a[:, None], o8 * xsum[:, None]
     return (scaled + offset).sum(-1), (scaled.abs() + offset.abs()).sum(-1)
 
 
 @needs_cxx
-@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 576), (32, 1024)])  # 1, 3, 18 (a partial super-block), 32 groups
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 576), (32, 1024)])  # 1, 3, 18 (8 + 8 + 2) and 32 groups
 def test_kernel_equals_its_float64_reference_on_every_path(n, k):
     w4a8.build()
     ops = torch.ops.polybasic_w4a8
