@@ -59,8 +59,8 @@ class BenchContext:
     step_sizes: list[int] | None = None  # token counts the *-compiled methods compile (None: models.static's)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
     dtype: str = "float32"  # the target's dtype (--dtype): hf-assisted's assistant defaults to it
-    max_prompt_tokens: int = 0  # the longest prompt of the run (compiled runners size caches for it)
-    prompt_tokens: tuple[int, ...] = ()  # every prompt's length (compiled runners warm each one's cache size)
+    prompt_tokens: tuple[int, ...] = ()  # every prompt's length in the run (compiled runners warm each one's
+    # cache size; llama.cpp's context fits the longest)
     gguf: Path | None = None  # the GGUF the target was expanded from (compiled steps read its codes)
     hf_loader: Callable[[], object] | None = None  # loads the transformers model on first use
     bundle: object = None  # a runtime.bundle.BundleDecoder: method `chain` runs its chain
@@ -70,6 +70,11 @@ class BenchContext:
     compiled_target: object = None  # the target's compiled copy, shared by the compiled chain methods
     compile_s: dict = field(default_factory=dict)  # method -> seconds its models took to compile and warm
     _hf: object = field(default=None, repr=False)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The run's longest prompt (0: none given)."""
+        return max(self.prompt_tokens, default=0)
 
     def hf_model(self):
         if self._hf is None:
@@ -181,10 +186,9 @@ def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: 
     """Compile `levels` (target first) for the run's requests, every step size and cache size at once
     (no compile lands in a timed prompt), and record the time it took in ctx.compile_s[method]."""
     cap = ctx.model.args.max_seq_len
-    longest = ctx.max_prompt_tokens + ctx.max_new_tokens + 1 if ctx.max_prompt_tokens else 256
-    lengths = [min(cap, n + ctx.max_new_tokens + 1) for n in ctx.prompt_tokens]
+    lengths = [min(cap, n + ctx.max_new_tokens + 1) for n in ctx.prompt_tokens] or [min(cap, 256)]
     say = lambda msg: print(f"[{method}: {msg}]", file=sys.stderr)  # noqa: E731
-    ctx.compile_s[method] = compile_levels(levels, min(cap, longest), gguf, ctx.step_sizes, say,
+    ctx.compile_s[method] = compile_levels(levels, max(lengths), gguf, ctx.step_sizes, say,
                                            f"--methods {method}", lengths)
 
 

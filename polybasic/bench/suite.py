@@ -137,7 +137,6 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
                        a.draft_tokens, source=a.model, dtype=a.dtype, adaptive_k=a.adaptive_k,
                        draft_confidence=a.draft_confidence,
                        thresholds=a.thresholds, step_sizes=a.step_sizes,
-                       max_prompt_tokens=max(len(p) for *_, p in prompts),
                        prompt_tokens=tuple(len(p) for *_, p in prompts), gguf=lm.gguf_file,
                        hf_loader=lambda: load_hf_model(a.model, a.dtype, lm.model.device), bundle=bundle)
     runners = {m: make_runner(m, ctx) for m in methods}

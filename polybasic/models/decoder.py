@@ -70,6 +70,12 @@ class Transformer(nn.Module):
                 return
         elif max_seq_len <= self.max_seq_len and same_batch:
             return
+        with torch.inference_mode(False):  # plain tensors whoever calls (generate runs in inference mode,
+            self._allocate(rows, batch)  # a warm-up need not): compiled steps guard on that, one graph each
+        self.max_seq_len = max_seq_len
+
+    def _allocate(self, rows: int, batch: int) -> None:
+        """KV caches [B, G, rows, D], RoPE tables [rows, 1, D] and the causal mask [rows, rows]."""
         dev, dt = self.device, self.dtype
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(batch, self.args.n_kv_heads, rows, self.args.head_dim, dt, dev)
@@ -80,7 +86,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(dt).unsqueeze(1), persistent=False)  # [S, 1, D]
         causal = torch.ones(rows, rows, dtype=torch.bool, device=dev).tril()
         self.register_buffer("causal_mask", causal, persistent=False)
-        self.max_seq_len = max_seq_len
 
     def use_feature_layers(self, layers) -> None:
         """From now on `forward` also returns the outputs of these decoder layers (0-based, each below

@@ -69,10 +69,10 @@ class StaticSteps:
 
     def __init__(self, fn: Callable, name: str, sizes=None, device: torch.device | None = None,
                  options: dict | None = None, notify: Callable[[str], None] | None = None) -> None:
-        for name in ("recompile_limit", "accumulated_recompile_limit"):  # one graph per size, batch,
-            limit = getattr(torch._dynamo.config, name, None)  # variant, cache size class (Transformer.
+        for knob in ("recompile_limit", "accumulated_recompile_limit"):  # one graph per size, batch,
+            limit = getattr(torch._dynamo.config, knob, None)  # variant, cache size class (Transformer.
             if limit is not None and limit < 512:  # setup_caches) and model: more than dynamo's 8 and 256
-                setattr(torch._dynamo.config, name, 512)
+                setattr(torch._dynamo.config, knob, 512)
         self.device = torch.device(device or "cpu")
         self.sizes = check_sizes(sizes or default_sizes(self.device))
         self.name = name

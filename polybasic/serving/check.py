@@ -291,7 +291,7 @@ def our_side(plan: Plan, lm, head, prompts: list[tuple], max_new_tokens: int, wa
     runs methods: per-prompt runs, tau, accept_len."""
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), max_new_tokens, SamplingConfig(),
                        plan.k, source=plan.target, dtype=plan.dtype, gguf=getattr(lm, "gguf_file", None),
-                       max_prompt_tokens=max(len(p) for *_, p in prompts))
+                       prompt_tokens=tuple(len(p) for *_, p in prompts))
     runners = {OURS: make_runner("vanilla", ctx)}
     if compiled:
         runners[OURS_COMPILED] = make_runner("vanilla-compiled", ctx)

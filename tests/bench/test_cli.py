@@ -77,7 +77,7 @@ def test_parse_methods_checks_arguments(tiny_model_dir):
 def test_runners_agree_with_vanilla_at_greedy():
     hf = tiny_hf_llama(seed=0)
     ctx = BenchContext(lean_from_hf(hf), None, {1}, 12, hf_loader=lambda: hf, draft_tokens=4,
-                       max_prompt_tokens=8)
+                       prompt_tokens=(8,))
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     ref = make_runner("vanilla", ctx)(prompt, 0)
     assert 0 < len(ref.tokens) <= 12 and ref.wall_s > 0 and ref.tau is None
@@ -85,6 +85,21 @@ def test_runners_agree_with_vanilla_at_greedy():
         out = make_runner(name, ctx)(prompt, 0)
         assert out.tokens == ref.tokens, name
     assert make_runner("pld", ctx)(prompt, 0).tau >= 1.0
+
+
+def test_compiled_runners_warm_every_prompts_cache_size():
+    """Prompts of two cache size classes in one run: vanilla-compiled compiles both before the first timed
+    prompt (BenchContext.prompt_tokens), so neither prompt compiles, and both decode as vanilla does."""
+    from torch._dynamo.utils import counters
+
+    hf = tiny_hf_llama(seed=0, max_pos=1024)
+    prompts = [[5, 6, 7] * 3, [2 + i % 90 for i in range(300)]]  # caches of 256 and 512 rows
+    ctx = BenchContext(lean_from_hf(hf), None, {1}, 12, prompt_tokens=tuple(map(len, prompts)))
+    vanilla, compiled = make_runner("vanilla", ctx), make_runner("vanilla-compiled", ctx)
+    before = counters["frames"]["ok"]
+    for prompt in prompts:
+        assert compiled(prompt, 0).tokens == vanilla(prompt, 0).tokens
+    assert counters["frames"]["ok"] == before, "a timed prompt compiled a step"
 
 
 def test_vanilla_dtype_and_hf_assisted_agree_with_vanilla(tiny_model_dir):
@@ -123,7 +138,7 @@ def test_chain_drafts_compiled_keeps_the_eager_target(tiny_model_dir):
 
     lm = load_model(str(tiny_model_dir), "float32")
     ctx = BenchContext(lm.model, lm.tokenizer, {1}, 12, draft_tokens=6, source=str(tiny_model_dir),
-                       max_prompt_tokens=8, draft_confidence=0.5)
+                       prompt_tokens=(8,), draft_confidence=0.5)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     ref = make_runner("vanilla", ctx)(prompt, 0)
     method = f"chain-drafts-compiled:{tiny_model_dir}@bfloat16"

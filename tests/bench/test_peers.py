@@ -30,7 +30,7 @@ def test_llamacpp_decodes_the_targets_own_gguf_beside_vanilla():
     long = encode_prompt(lm.tokenizer, "Summarize: " + "the river runs to the sea and back " * 80)
     assert len(long) > 512  # longer than llama.cpp's batch: prefilled in two batches
     ctx = BenchContext(lm.model, lm.tokenizer, eos_ids(lm.tokenizer), 16, gguf=lm.gguf_file,
-                       max_prompt_tokens=len(long))
+                       prompt_tokens=(len(long),))
     ours, peer, pld = (make_runner(m, ctx) for m in ("vanilla", "llamacpp", "llamacpp-pld"))
     same_start = 0
     for ids in prompts:

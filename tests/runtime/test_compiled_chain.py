@@ -224,6 +224,9 @@ def test_caches_take_each_requests_size_class_and_compile_levels_warms_them():
     steps = comp._static
     assert comp.max_seq_len == 512 and steps.compiles > 0
     compiles = steps.compiles
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]["ok"]
     chain = Chain(levels, k=3, eos={1})
     for n, rows in [(20, 256), (270, 512), (20, 256)]:
         prompt = [2 + (5 * i) % 90 for i in range(n)]
@@ -231,3 +234,4 @@ def test_caches_take_each_requests_size_class_and_compile_levels_warms_them():
         assert comp.max_seq_len == rows and comp.layers[0].attention.kv_cache.k.shape[-2] == rows + max(SIZES)
         assert out == list(generate_tokens(models["target"], prompt, 12, eos={1}))
     assert steps.compiles == compiles  # every class was warmed before the first request
+    assert counters["frames"]["ok"] == frames  # and dynamo recompiled nothing on a class switch
