@@ -30,7 +30,6 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
     heads = [lvl for lvl in levels if isinstance(lvl, EagleLevel)]
     for m in models:
         compile_for_device(m, gguf if m is models[0] else None, flag, sizes, notify)
-        m.setup_caches(max_len)
     for lvl in heads:  # binding sets the layers the base returns: before any base step compiles
         compile_for_device(lvl.head, flag=flag, sizes=sizes, notify=notify)
         lvl.head.bind(lvl.base.model)
