@@ -133,9 +133,10 @@ def run_recipe(recipe_path: str | Path, out_dir: str | Path | None = None,
         t0 = time.perf_counter()
         outputs = load_entry(st.entry)(ctx)
         rel = [str(Path(p).resolve().relative_to(out.resolve())) for p in outputs]
-        rec = {"fingerprint": fp, "outputs": rel, "wall_s": round(time.perf_counter() - t0, 1),
+        wall = time.perf_counter() - t0
+        rec = {"fingerprint": fp, "outputs": rel, "wall_s": round(wall, 3),  # ms: a tiny stage is not 0 s
                "run_id": uuid.uuid4().hex}
         write_json(out / RECORDS / f"{st.name}.json", rec, indent=1)
         fps[st.name] = _made(rec)
-        announce(f"[{st.name}] done in {time.perf_counter() - t0:.1f} s: {', '.join(rel)}")
+        announce(f"[{st.name}] done in {wall:.1f} s: {', '.join(rel)}")
     return ctx
