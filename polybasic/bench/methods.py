@@ -22,6 +22,7 @@ from polybasic.errors import ConfigError
 from polybasic.models import load_hf_model, load_model
 from polybasic.models.loader import LoadedModel
 from polybasic.models.preflight import check_source
+from polybasic.models.static import decode_sizes
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.chain_builder import build_chain, parse_chain
 from polybasic.runtime.compiled import compile_levels
@@ -178,17 +179,19 @@ def _target_in(ctx: BenchContext, dtype: str | None, method: str):
 
 def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, method: str) -> Runner:
     model = _target_in(ctx, dtype, method)
-    _compile_levels(ctx, [ModelLevel(model)], gguf, f"{method}:{dtype}" if dtype else method)
+    _compile_levels(ctx, [ModelLevel(model)], gguf, f"{method}:{dtype}" if dtype else method,
+                    decode_sizes(ctx.step_sizes, model.device))
     return _generate_runner(ctx, model)
 
 
-def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: str) -> None:
-    """Compile `levels` (target first) for the run's requests, every step size and cache size at once
-    (no compile lands in a timed prompt), and record the time it took in ctx.compile_s[method]."""
+def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: str, sizes=None) -> None:
+    """Compile `levels` (target first) for the run's requests, every step size (`sizes`, default the run's
+    --step-sizes) and cache size at once (no compile lands in a timed prompt), and record the time it took
+    in ctx.compile_s[method]."""
     cap = ctx.model.args.max_seq_len
     lengths = [min(cap, n + ctx.max_new_tokens + 1) for n in ctx.prompt_tokens] or [min(cap, 256)]
     say = lambda msg: print(f"[{method}: {msg}]", file=sys.stderr)  # noqa: E731
-    ctx.compile_s[method] = compile_levels(levels, max(lengths), gguf, ctx.step_sizes, say,
+    ctx.compile_s[method] = compile_levels(levels, max(lengths), gguf, sizes or ctx.step_sizes, say,
                                            f"--methods {method}", lengths)
 
 

@@ -109,6 +109,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     prompt, spec, thresholds = _precheck_generate(a)
     # the runtime, imported when the command runs (start-up time: `--help` and argument errors stay free of torch)
     from polybasic.models.prepare import check_compilable
+    from polybasic.models.static import decode_sizes
     from polybasic.quant.api import load_any_model
     from polybasic.runtime.chain import Chain, check_k
     from polybasic.runtime.chain_builder import build_chain
@@ -151,8 +152,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         say = lambda msg: print(f"[{msg}]", file=sys.stderr)  # noqa: E731
         say("compiling every level's steps: minutes the first time on a small CPU, seconds once cached")
         levels = chain.levels if chain is not None else [ModelLevel(lm.model)]
+        sizes = None if chain is not None else decode_sizes(None, lm.model.device)
         times["compile"] = compile_levels(levels, min(lm.args.max_seq_len, len(ids) + a.max_new_tokens + 1),
-                                          lm.gguf_file, notify=say)
+                                          lm.gguf_file, sizes, notify=say)
     generator = ctx.generator()
     if chain is not None:
         token_iter = chain.stream(ids, a.max_new_tokens, sampling, generator)

@@ -38,6 +38,14 @@ def default_sizes(device: torch.device) -> tuple[int, ...]:
     return CUDA_STEP_SIZES if device.type == "cuda" else STEP_SIZES
 
 
+def decode_sizes(sizes, device: torch.device) -> tuple[int, ...]:
+    """The sizes plain (one token at a time) decoding runs, of `sizes` (None: the device's default): the
+    one-token step and the prefill chunk, the largest. No draft is verified, so the others would be compiled
+    for nothing (on a 2-core CPU, minutes per cache size for a 1.5B model)."""
+    s = check_sizes(sizes or default_sizes(device))
+    return (1, s[-1]) if len(s) > 1 else s
+
+
 def cache_dir() -> str:
     """Where inductor keeps compiled steps across runs ($TORCHINDUCTOR_CACHE_DIR, torch's default
     /tmp/torchinductor_$USER when unset)."""

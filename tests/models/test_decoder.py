@@ -195,3 +195,28 @@ def test_the_args_name_every_family():
     from polybasic.models.families import FAMILIES
 
     assert tuple(FAMILIES) == FAMILY_NAMES
+
+
+def test_plain_decoding_needs_only_the_decode_sizes():
+    """decode_sizes keeps the one-token step and the prefill chunk; a model compiled with just those and
+    warmed generates prompts of any length (short, one chunk, several) without another compile, and as
+    the eager decoder does."""
+    from polybasic.models.static import STEP_SIZES, decode_sizes
+    from polybasic.runtime.generate import generate_tokens
+
+    cpu = torch.device("cpu")
+    assert decode_sizes([1, 2, 4, 64], cpu) == (1, 64) and decode_sizes([1], cpu) == (1,)
+    assert decode_sizes(None, cpu) == (1, max(STEP_SIZES))
+    with pytest.raises(ConfigError, match="must include 1"):
+        decode_sizes([2, 64], cpu)
+    hf = tiny_hf_llama(tie=True)
+    lean, compiled = lean_from_hf(hf), lean_from_hf(hf)
+    compile_for_device(compiled, sizes=decode_sizes([1, 2, 4, 16], cpu))
+    compiled.setup_caches(120)
+    compiled.warm_steps()
+    warm = compiled._static.compiles
+    ids = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    for n_prompt in (1, 3, 16, 37):
+        prompt = ids[:n_prompt]
+        assert list(generate_tokens(compiled, prompt, 12)) == list(generate_tokens(lean, prompt, 12))
+    assert compiled._static.compiles == warm, "plain decoding ran a step size decode_sizes left out"
