@@ -151,8 +151,10 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     if a.compile:
         say = lambda msg: print(f"[{msg}]", file=sys.stderr)  # noqa: E731
         say("compiling every level's steps: minutes the first time on a small CPU, seconds once cached")
-        levels = chain.levels if chain is not None else [ModelLevel(lm.model)]
-        sizes = None if chain is not None else decode_sizes(None, lm.model.device)
+        if chain is not None:  # every step size: a chain's levels verify drafts
+            levels, sizes = chain.levels, None
+        else:  # plain decoding: the one-token step and the prefill chunk
+            levels, sizes = [ModelLevel(lm.model)], decode_sizes(None, lm.model.device)
         times["compile"] = compile_levels(levels, min(lm.args.max_seq_len, len(ids) + a.max_new_tokens + 1),
                                           lm.gguf_file, sizes, notify=say)
     generator = ctx.generator()
