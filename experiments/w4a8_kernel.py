@@ -31,23 +31,25 @@ def model_shapes(hidden: int, inter: int, kv: int, vocab: int, layers: int) -> l
     return [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers + [(vocab, hidden)]
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shape_args(doc: str, tokens: str) -> argparse.ArgumentParser:
+    """The options of a kernel driver: a model's shapes (default Qwen2.5-Coder-1.5B), rows per call, reps."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--inter", type=int, default=8960)
     p.add_argument("--kv", type=int, default=256, help="key (= value) width: kv heads x head size")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--tokens", default="1,2,4,8", help="rows M per call")
+    p.add_argument("--tokens", default=tokens, help="rows M per call")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--ceiling-mib", type=int, default=1024, help="size of the read-ceiling probe")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    a = shape_args(__doc__, "1,2,4,8").parse_args(argv)
     w4a8.build()
     print(f"threads {torch.get_num_threads()}; AVX-512 VNNI path: {torch.ops.polybasic_w4a8.vnni()}")
-    big = torch.randint(0, 255, (a.ceiling_mib << 20,), dtype=torch.uint8)  # written: no shared zero pages
-    dt = min(_timed(lambda: torch.amax(big)) for _ in range(3))
-    print(f"read ceiling: torch.amax of {a.ceiling_mib} MiB uint8: {big.numel() / dt / 1e9:.1f} GB/s")
-    del big
+    print(read_ceiling(a.ceiling_mib))
     g = torch.Generator().manual_seed(0)
     weights, n4, n8 = [], 0, 0  # bytes a pass reads in torch's layout and in w4a8's
     for n, k in model_shapes(a.hidden, a.inter, a.kv, a.vocab, a.layers):
@@ -72,6 +74,13 @@ def main(argv=None) -> None:
                 best[name].append(_timed(f))
         t4, t8 = min(best["int4pack"]), min(best["w4a8"])
         print(f"| {m} | {t4 * 1e3:.1f} | {n4 / t4 / 1e9:.1f} | {t8 * 1e3:.1f} | {n8 / t8 / 1e9:.1f} | {t4 / t8:.2f}x |")
+
+
+def read_ceiling(mib: int) -> str:
+    """The machine's read ceiling, as a line: torch.amax over `mib` MiB of uint8 on the same threads."""
+    big = torch.randint(0, 255, (mib << 20,), dtype=torch.uint8)  # written: no shared zero pages
+    dt = min(_timed(lambda: torch.amax(big)) for _ in range(3))
+    return f"read ceiling: torch.amax of {mib} MiB uint8: {big.numel() / dt / 1e9:.1f} GB/s"
 
 
 def _timed(f) -> float:

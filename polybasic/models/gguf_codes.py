@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from polybasic.models import bf16_rows
 from polybasic.models.gguf_index import read_tensor_infos
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,8 @@ CODED_ROWS = 16  # compiled steps of up to this many token rows read the block c
 
 def project(lin: nn.Module, x: Tensor) -> Tensor:
     """lin(x), except that a step of up to CODED_ROWS rows under torch.compile reads the block codes (if attached),
-    and that a single bf16/fp16 row on a CPU runs as two (a zero row added).
+    that a linear bound to the kernel bf16_rows (models.prepare) runs calls of up to bf16_rows.ROWS_MAX rows on
+    it, and that otherwise a single bf16/fp16 row on a CPU runs as two (a zero row added).
 
     Why two rows: CPU GEMMs in reduced precision give every row the same bits for any row count >= 2,
     but one row takes a GEMV path that sums in another order, and bf16 outputs round those last-bit
@@ -305,6 +307,10 @@ def project(lin: nn.Module, x: Tensor) -> Tensor:
     if isinstance(codes, Tensor) and x.shape[-2] <= CODED_ROWS and x.dim() == 3 and torch.compiler.is_compiling():
         y = coded_matvec(_realized(x), codes, lin.code_scale, lin.code_min)  # [B, M, N]
         return y if lin.bias is None else y + lin.bias
+    if (getattr(lin, bf16_rows.MARK, False) and x.dtype == lin.weight.dtype == torch.bfloat16
+            and x.numel() <= bf16_rows.ROWS_MAX * x.shape[-1]  # longer prefills: oneDNN
+            and not (x.requires_grad or lin.weight.requires_grad)):  # the kernel has no backward
+        return bf16_rows.linear(x, lin.weight, lin.bias)  # row-invariant by construction
     if (x.numel() == x.shape[-1] and x.dim() >= 2 and x.dtype in ROW_INVARIANT_DTYPES
             and x.device.type == "cpu" and type(lin) is nn.Linear):
         return lin(torch.cat((x, torch.zeros_like(x)), dim=-2)).narrow(-2, 0, 1)  # [.., 2, N] -> [.., 1, N]

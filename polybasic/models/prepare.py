@@ -1,7 +1,8 @@
 """Per-device preparation of a loaded model: the layouts and kernels each device runs fastest,
 chosen once at load time instead of by branches in `forward`.
 
-CPU: fp32 linears in the transposed decode layout (see decoder.use_decode_layout); quantized linears
+CPU: fp32 linears in the transposed decode layout (see decoder.use_decode_layout), bf16 linears on the
+row-invariant kernel bf16_rows where the CPU has AVX-512 BF16 (bf16_rows.choice); quantized linears
 bind their CPU kernels (int4pack's CPU packing, and a dequantized GEMM for long bf16 prefills, see
 quant.linear); compiled steps (models.static) of up to gguf_codes.CODED_ROWS tokens read the GGUF's
 block codes, and use inductor's C++ wrapper. CUDA: plain contiguous layouts and the CUDA kernels; compiled steps are
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from polybasic.errors import ConfigError
+from polybasic.models import bf16_rows
 from polybasic.models.decoder import use_decode_layout
 from polybasic.models.eagle_head import EagleHead
 
@@ -26,7 +28,9 @@ COMPILED_DEVICES = ("cpu", "cuda")
 def prepare_for_device(model: nn.Module) -> nn.Module:
     """Give `model` (already on its device) the layouts and kernels of that device; values unchanged.
     Idempotent: quantized linears bound their kernels when their state was loaded (QuantLinear.prepare)."""
-    return use_decode_layout(model)
+    model = use_decode_layout(model)
+    bf16_rows.bind(model)
+    return model
 
 
 def inductor_options(device: str | torch.device) -> dict | None:

@@ -1,18 +1,12 @@
 """The CPU kernel 'w4a8': 4-bit weight codes x int8 activations (AVX-512 VNNI), built on first use.
 
-kernels/w4a8.cpp holds the arithmetic and the layout (see its header). It is compiled with the C++
-compiler torch.compile needs on a CPU anyway (g++, or $CXX), with -march=native, into a cache folder
-keyed by the source, torch's version and the CPU's flags ($POLYBASIC_KERNEL_CACHE, default
-~/.cache/polybasic/kernels), then loaded as torch.ops.polybasic_w4a8.{mm, vnni}. A fake (meta)
+kernels/w4a8.cpp holds the arithmetic and the layout (see its header). models.native compiles it for this
+CPU on first use (cached), then it is loaded as torch.ops.polybasic_w4a8.{mm, vnni}. A fake (meta)
 implementation lets torch.compile trace through it. `status()` says once per process whether the fast
 path can run here, and why not; quant.linear.W4A8Linear falls back to torch's int4 kernel when it cannot.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import subprocess
 from functools import cache
 from importlib.resources import files
 from pathlib import Path
@@ -21,50 +15,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from polybasic.models.native import load_ops, usable
+
 # as in kernels/w4a8.cpp: columns per group, rows per tile, groups per super-block, bytes of a (tile,
 # super-block) header and of a (tile, group) block
 GROUP, TILE, SUPER, HEAD, BLOCK = 32, 16, 8, 64, 288
 SOURCE = files("polybasic.quant") / "kernels" / "w4a8.cpp"
 
 
-def _cpu_flags() -> str:
-    try:
-        return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def build(cache_dir: Path | None = None) -> Path:
     """Compile the kernel (once per source, torch version and CPU) and load its ops; returns the
     library's path. Raises RuntimeError naming the cause when no compiler is found or the build fails."""
-    from torch.utils import cpp_extension
-
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler '{cxx}' on PATH (install g++, which torch.compile needs too, or set CXX)")
-    source = SOURCE.read_bytes()
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), _cpu_flags().encode(),
-                                     " ".join([cxx, *flags]).encode()])).hexdigest()[:16]
-    root = cache_dir or Path(os.environ.get("POLYBASIC_KERNEL_CACHE", Path.home() / ".cache" / "polybasic" / "kernels"))
-    lib = root / f"w4a8-{key}.so"
-    if not lib.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-        src = lib.with_name(f"w4a8-{key}.cpp")
-        src.write_bytes(source)  # the compiler reads a file; the package may be a zip
-        cmd = [cxx, *flags, *(f"-I{p}" for p in cpp_extension.include_paths()), str(src),
-               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-o", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"building the w4a8 kernel failed ({cxx}):\n{done.stderr[-1500:]}")
-        os.replace(tmp, lib)  # atomic: an interrupted or concurrent build never leaves half a library
-    if not hasattr(torch.ops.polybasic_w4a8, "mm"):
-        torch.ops.load_library(str(lib))
-        torch.library.register_fake("polybasic_w4a8::mm")(_mm_fake)
-    return lib
+    return load_ops("w4a8", SOURCE, {"mm": _mm_fake}, cache_dir)
 
 
 def _mm_fake(x: Tensor, packed: Tensor, plain: bool = False) -> Tensor:
@@ -75,13 +37,7 @@ def _mm_fake(x: Tensor, packed: Tensor, plain: bool = False) -> Tensor:
 def status() -> tuple[bool, str]:
     """(True, '') when the VNNI path runs here; else (False, why): no compiler, a failed build, or a CPU
     without AVX-512 VNNI. Built and decided once per process."""
-    try:
-        build()
-    except RuntimeError as e:
-        return False, str(e).splitlines()[0]
-    if not torch.ops.polybasic_w4a8.vnni():
-        return False, "this CPU has no AVX-512 VNNI"
-    return True, ""
+    return usable(build, lambda: torch.ops.polybasic_w4a8.vnni(), "this CPU has no AVX-512 VNNI")
 
 
 def tile_bytes(k: int) -> int:

@@ -4,13 +4,15 @@ the same bits, so a bf16 chain emits exactly what bf16 vanilla decoding emits.
 Reduced-precision CPU GEMMs give a row the same bits for any row count >= 2 but not for one row, and
 SDPA's bits for a row change with the row count; bf16 rounding turns those last-bit differences into
 different logits and, on near-ties, different greedy tokens (18/26 identical Spec-Bench answers for a
-bf16 Qwen2.5-Coder-1.5B chain before the fix). The lean decoder therefore runs a single bf16 row as two
-(gguf_codes.project), a verification's attention row by row with each row's own key length, and a
-chain's target prefills the prompt alone (ModelLevel.score), as vanilla does."""
+bf16 Qwen2.5-Coder-1.5B chain before the fix). The lean decoder therefore runs its bf16 linears on the
+row-invariant kernel bf16_rows where the CPU has AVX-512 BF16, else oneDNN with a single row run as two
+(gguf_codes.project); a verification's attention row by row with each row's own key length; and a
+chain's target prefills the prompt alone (ModelLevel.score), as vanilla does. Both kernels are tested."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from polybasic.models import bf16_rows
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.levels import ModelLevel, NGramLevel
@@ -29,18 +31,34 @@ def _gemm_rows_invariant(k: int, n: int) -> bool:
     return all(torch.equal(F.linear(x[:m], w)[0], ref) for m in range(3, 17))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def _on(model, kernel: str):
+    """model with every linear on `kernel`: bf16_rows (bound, as models.prepare does) or oneDNN (unbound)."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if kernel == "bf16_rows":
+        assert bf16_rows.bind(model, "bf16_rows") == len(linears)
+    for m in linears:
+        setattr(m, bf16_rows.MARK, kernel == "bf16_rows")
+    return model
+
+
+@pytest.fixture(scope="module", params=[(f, k) for f in ("llama", "qwen2") for k in ("onednn", "bf16_rows")],
+                ids=lambda p: "-".join(p))
 def target(request):
-    if not all(_gemm_rows_invariant(k, n) for k, n in ((256, 544), (544, 256), (256, 512), (256, 1088))):
+    family, kernel = request.param
+    if kernel == "bf16_rows" and not bf16_rows.status()[0]:
+        pytest.skip(f"the bf16_rows kernel cannot run here: {bf16_rows.status()[1]}")
+    if kernel == "onednn" and not all(_gemm_rows_invariant(k, n) for k, n in ((256, 544), (544, 256), (256, 512),
+                                                                               (256, 1088))):
         pytest.skip("this CPU's bf16 GEMM changes a row's bits with the row count: bf16 greedy identity "
                     "cannot hold here (use an fp32 target)")
-    hf = tiny_hf(request.param, seed=0, **KW)
-    return hf, lean_from_hf(hf, torch.bfloat16)
+    hf = tiny_hf(family, seed=0, **KW)
+    model = _on(lean_from_hf(hf, torch.bfloat16), kernel)
+    return hf, model, kernel
 
 
 @torch.inference_mode()
 def test_step_rows_equal_verification_rows(target):
-    _, model = target
+    _, model, _ = target
     prompt, new = list(range(5, 25)), [7, 300, 41, 9, 77, 123, 5, 260, 33, 18]
     model.setup_caches(64)
     model(torch.tensor([prompt]), 0)
@@ -55,8 +73,8 @@ def test_step_rows_equal_verification_rows(target):
 
 
 def test_bf16_chains_equal_bf16_vanilla(target):
-    hf, model = target
-    drafter = lean_from_hf(perturbed_copy(hf, 0.05, seed=1), torch.bfloat16)
+    hf, model, kernel = target
+    drafter = _on(lean_from_hf(perturbed_copy(hf, 0.05, seed=1), torch.bfloat16), kernel)
     for p in range(6):
         prompt = [(7 * p + 3 * i) % 500 + 2 for i in range(12 + 5 * p)]
         ref = list(generate_tokens(model, prompt, 40))

@@ -1,0 +1,86 @@
+"""The CPU kernel 'bf16_rows': a bf16 linear whose every output row has the same bits for any row count.
+
+kernels/bf16_rows.cpp holds the arithmetic (see its header): AVX-512 BF16 dot products summed in a fixed
+order per output. It serves bf16 models on a CPU for both of their hot shapes: the one-token step, which
+it runs at the memory's speed (oneDNN's GEMM reads the weights about 1.5x slower at one or two rows), and
+a verification's few rows, which it runs at the CPU's bf16 FLOP rate. Being row-invariant by
+construction, a target's one-token step no longer needs oneDNN's zero-row padding to match its
+verifications (gguf_codes.project).
+
+`bind(model)` marks a model's bf16 CPU linears for it, once at load time (models.prepare); `project`
+then calls `linear` for them, eager or compiled (a fake implementation lets torch.compile trace the op),
+for calls of up to ROWS_MAX rows.
+`status()` says once per process whether it can run here, and why not; where it cannot, and on CPUs with
+AMX unless $POLYBASIC_BF16_KERNEL says otherwise (`choice()`), linears keep oneDNN.
+"""
+from __future__ import annotations
+
+import os
+from functools import cache
+from importlib.resources import files
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from polybasic.errors import ConfigError
+from polybasic.models.native import cpu_flags, load_ops, usable
+
+SOURCE = files("polybasic.models") / "kernels" / "bf16_rows.cpp"
+MARK = "bf16_rows"  # the attribute bind() sets on a linear
+CHOICE_ENV = "POLYBASIC_BF16_KERNEL"
+ROWS_MAX = 64  # calls of more rows (long prefills) run oneDNN, faster there: the kernel ran one model's linears at
+# 0.91x / 0.74x / 0.66x oneDNN's speed at 64 / 128 / 512 rows, and at 2.25x / 1.36x / 1.16x at 1 / 4 / 17 (AMD EPYC,
+# 2 cores; docs/results.md). A prefill's rows are computed alike by plain decoding and by a chain's target, and a
+# verification of up to ROWS_MAX rows (a chain's largest threshold + 1) keeps the one-token step's bits.
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """Compile the kernel (once per source, torch version and CPU) and load its ops; returns the
+    library's path. Raises RuntimeError naming the cause when no compiler is found or the build fails."""
+    return load_ops("bf16_rows", SOURCE, {"mm": _mm_fake}, cache_dir)
+
+
+def _mm_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])  # [M, N]
+
+
+@cache
+def status() -> tuple[bool, str]:
+    """(True, '') when the kernel runs here; else (False, why): no compiler, a failed build, or a CPU
+    without AVX-512 BF16. Built and decided once per process."""
+    return usable(build, lambda: torch.ops.polybasic_bf16_rows.native(), "this CPU has no AVX-512 BF16")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] bf16 @ weight [N, K]^T (+ bias) -> [..., N] bf16, every row summed as if alone."""
+    y = torch.ops.polybasic_bf16_rows.mm(x.reshape(-1, x.shape[-1]), weight, bias)  # [rows, N]
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def choice() -> str:
+    """The bf16 CPU kernel models are bound to: $POLYBASIC_BF16_KERNEL, 'bf16_rows', 'onednn' or 'auto'
+    (the default): bf16_rows, except on CPUs with AMX, whose oneDNN GEMM runs bf16 on matrix tiles (not
+    measured against this kernel, so left as it was)."""
+    value = os.environ.get(CHOICE_ENV, "auto").strip().lower()
+    if value not in ("auto", "bf16_rows", "onednn"):
+        raise ConfigError(f"${CHOICE_ENV}={value!r}: use auto, bf16_rows or onednn")
+    if value == "auto":
+        return "onednn" if "amx_bf16" in cpu_flags().split() else "bf16_rows"
+    return value
+
+
+def bind(model: nn.Module, kernel: str | None = None) -> int:
+    """Mark every nn.Linear of `model` whose weight is contiguous bf16 on a CPU to run on this kernel (and
+    unmark the others) when `kernel` (default: choice()) is 'bf16_rows' and it can run here; returns how
+    many are marked. Values are unchanged."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    ok = any(map(_fits, linears)) and (kernel or choice()) == "bf16_rows" and status()[0]
+    for mod in linears:
+        setattr(mod, MARK, ok and _fits(mod))
+    return sum(getattr(mod, MARK) for mod in linears)
+
+
+def _fits(lin: nn.Linear) -> bool:
+    w = lin.weight
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()

@@ -1,0 +1,121 @@
+// Row-invariant bf16 linear for CPUs with AVX-512 BF16: y = x @ w^T (+ b), the kernel 'bf16_rows'
+// (polybasic/models/bf16_rows.py builds it on first use; experiments/bf16_rows_kernel.py measures it).
+//
+// x [M, K] bf16, w [N, K] bf16 (row-major, as nn.Linear keeps it), b [N] or none -> y [M, N] bf16.
+// Every output y[m, n] is summed the same way whatever M is and wherever row m sits in x: a 16-lane fp32
+// accumulator takes w[n, k:k+32] . x[m, k:k+32] (vdpbf16ps, pairs of products) for k = 0, 32, ... in
+// order (a masked last step when 32 does not divide K), then one horizontal sum of its lanes, plus
+// b[n] in fp32, rounded once to bf16. So a target's one-token step and each row of its k-token
+// verification get the same bits, which greedy chains need to match plain decoding exactly.
+// Blocking (NB rows of w by up to MB rows of x, NB * MB accumulators in registers) only decides how often
+// a weight row is read: once from memory per MB rows of x, the rest from cache.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cstdint>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PB_BF16 1
+#else
+#define PB_BF16 0
+#endif
+
+namespace {
+
+constexpr int NB = 4;              // weight rows per block
+constexpr int MB = 6;              // x rows per block: NB * MB = 24 of the 32 vector registers accumulate
+
+#if PB_BF16
+// out[m * nb + n] = sum_k w[n, k] x[m, k] for the block's nb weight rows and mb x rows.
+template <int mb, int nb>
+inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* out) {
+  __m512 acc[mb][nb];
+  for (int m = 0; m < mb; ++m)
+    for (int n = 0; n < nb; ++n) acc[m][n] = _mm512_setzero_ps();
+  int64_t k = 0;
+  auto step = [&](auto load) {
+    __m512bh wv[nb];
+    for (int n = 0; n < nb; ++n) wv[n] = (__m512bh)load(w + n * K + k);
+    for (int m = 0; m < mb; ++m) {
+      const __m512bh xv = (__m512bh)load(x + m * K + k);
+      for (int n = 0; n < nb; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], wv[n], xv);
+    }
+  };
+  for (; k + 32 <= K; k += 32)  // the hardware prefetcher follows the nb row streams (software prefetch: no gain)
+    step([](const uint16_t* p) { return _mm512_loadu_si512(p); });
+  if (k < K) {
+    const __mmask32 tail = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    step([tail](const uint16_t* p) { return _mm512_maskz_loadu_epi16(tail, p); });
+  }
+  for (int m = 0; m < mb; ++m)
+    for (int n = 0; n < nb; ++n) out[m * nb + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+// y[:, n0:n0+nb] for every row of x, MB rows at a time.
+template <int nb>
+void column_block(const uint16_t* w, const uint16_t* x, const float* b, at::BFloat16* y,
+                  int64_t M, int64_t N, int64_t K, int64_t n0) {
+  float out[MB * nb];
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const uint16_t* xm = x + m0 * K;
+    switch (std::min<int64_t>(MB, M - m0)) {
+      case 1: dot_block<1, nb>(w, xm, K, out); break;
+      case 2: dot_block<2, nb>(w, xm, K, out); break;
+      case 3: dot_block<3, nb>(w, xm, K, out); break;
+      case 4: dot_block<4, nb>(w, xm, K, out); break;
+      case 5: dot_block<5, nb>(w, xm, K, out); break;
+      default: dot_block<6, nb>(w, xm, K, out); break;
+    }
+    const int64_t rows = std::min<int64_t>(MB, M - m0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int n = 0; n < nb; ++n)
+        y[(m0 + r) * N + n0 + n] = at::BFloat16(out[r * nb + n] + (b ? b[n0 + n] : 0.f));
+  }
+}
+#endif
+
+at::Tensor bf16_rows_mm(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(PB_BF16, "bf16_rows: built for a CPU without AVX-512 BF16");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16,
+              "bf16_rows: x must be a 2-D bf16 CPU tensor [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu(),
+              "bf16_rows: w must be a contiguous bf16 CPU tensor [N, K]");
+  TORCH_CHECK(w.size(1) == x_in.size(1), "bf16_rows: x has ", x_in.size(1), " columns, w has ", w.size(1));
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "bf16_rows: bias has ", bias->numel(), " values for ", N, " outputs");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+#if PB_BF16
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks + (N % NB ? 1 : 0), 16, [&](int64_t i0, int64_t i1) {  // -fopenmp: both cores
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i < blocks) {
+        column_block<NB>(wp + i * NB * K, xp, bp, yp, M, N, K, i * NB);
+      } else {
+        for (int64_t n = blocks * NB; n < N; ++n) column_block<1>(wp + n * K, xp, bp, yp, M, N, K, n);
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+bool bf16_rows_native() { return PB_BF16; }
+
+}  // namespace
+
+TORCH_LIBRARY(polybasic_bf16_rows, m) {
+  m.def("mm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("native() -> bool", &bf16_rows_native);
+}
+
+TORCH_LIBRARY_IMPL(polybasic_bf16_rows, CPU, m) { m.impl("mm", &bf16_rows_mm); }

@@ -1,0 +1,83 @@
+"""Build and load polybasic's C++ CPU kernels (models/kernels/*.cpp, quant/kernels/*.cpp) on first use.
+
+Each source is compiled with the C++ compiler torch.compile needs on a CPU anyway (g++, or $CXX), with
+-march=native, into a cache folder keyed by the source, torch's version, the CPU's flags and the command
+($POLYBASIC_KERNEL_CACHE, default ~/.cache/polybasic/kernels), then loaded into torch.ops. Builds are
+atomic: an interrupted or concurrent build never leaves half a library.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+import torch
+
+
+def cpu_flags() -> str:
+    """The `flags` line of /proc/cpuinfo ('' where there is none)."""
+    try:
+        return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("POLYBASIC_KERNEL_CACHE", Path.home() / ".cache" / "polybasic" / "kernels"))
+
+
+def build_library(name: str, source: Traversable, cache_dir: Path | None = None) -> Path:
+    """Compile `source` (once per source, torch version and CPU) into `name`-KEY.so and return its path
+    (not loaded: torch.ops.load_library it once). Raises RuntimeError naming the cause when no compiler is
+    found or the build fails."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler '{cxx}' on PATH (install g++, which torch.compile needs too, or set CXX)")
+    text = source.read_bytes()
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), cpu_flags().encode(),
+                                     " ".join([cxx, *flags]).encode()])).hexdigest()[:16]
+    root = cache_dir or cache_root()
+    lib = root / f"{name}-{key}.so"
+    if not lib.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+        src = lib.with_name(f"{name}-{key}.cpp")
+        src.write_bytes(text)  # the compiler reads a file; the package may be a zip
+        cmd = [cxx, *flags, *(f"-I{p}" for p in cpp_extension.include_paths()), str(src),
+               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-o", str(tmp)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"building the {name} kernel failed ({cxx}):\n{done.stderr[-1500:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+def load_ops(name: str, source: Traversable, fakes: dict[str, Callable], cache_dir: Path | None = None) -> Path:
+    """build_library, then load it once as torch.ops.polybasic_`name`, with a fake (meta) implementation per
+    op (`fakes`: op name -> function) so that torch.compile traces through them; returns the library's path."""
+    lib = build_library(name, source, cache_dir)
+    ops = getattr(torch.ops, f"polybasic_{name}")
+    if not all(hasattr(ops, op) for op in fakes):
+        torch.ops.load_library(str(lib))
+        for op, fake in fakes.items():
+            torch.library.register_fake(f"polybasic_{name}::{op}")(fake)
+    return lib
+
+
+def usable(build: Callable[[], object], native: Callable[[], bool], missing: str) -> tuple[bool, str]:
+    """(True, '') when `build()` succeeds and `native()` says the fast path was compiled for this CPU; else
+    (False, why): the build's first error line, or `missing` (the CPU feature it lacks)."""
+    try:
+        build()
+    except RuntimeError as e:
+        return False, str(e).splitlines()[0]
+    return (True, "") if native() else (False, missing)

@@ -1,0 +1,109 @@
+"""The CPU kernel 'bf16_rows' (models.bf16_rows, kernels/bf16_rows.cpp): close to the exact product, the
+same bits for a row whatever rows surround it, bound only where it fits, and the same bits compiled."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polybasic.errors import ConfigError
+from polybasic.models import bf16_rows
+from polybasic.models.gguf_codes import project
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    ok, why = bf16_rows.status()
+    if not ok:
+        pytest.skip(f"the bf16_rows kernel cannot run here: {why}")
+
+
+def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("n,k", [(4, 32), (7, 1), (33, 100), (64, 96), (130, 544)])  # blocks of 4 rows and 32
+@pytest.mark.parametrize("bias", [False, True])                                   # columns, and their tails
+def test_product_is_the_exact_one_rounded_to_bf16(n, k, bias):
+    for m in (1, 2, 5, 6, 7, 13):  # blocks of 6 x rows and their remainders
+        x, w, b = _case(m, n, k, bias, seed=n + k + m)
+        y = bf16_rows.linear(x, w, b)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+        terms = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+        # one bf16 rounding of the result (half an ulp: 2^-9 relative), plus fp32 sums over k
+        assert ((y.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * terms + 1e-30).all(), m
+
+
+def test_every_row_has_the_same_bits_whatever_surrounds_it():
+    x, w, b = _case(20, 70, 160, True)
+    full = bf16_rows.linear(x, w, b)
+    for a, e in [(0, 1), (3, 4), (0, 2), (5, 11), (2, 20), (19, 20), (0, 17)]:
+        assert torch.equal(bf16_rows.linear(x[a:e], w, b), full[a:e]), (a, e)
+    batched = bf16_rows.linear(x.view(4, 5, 160), w, b)  # [B, M, K] rows: the same rows
+    assert batched.shape == (4, 5, 70) and torch.equal(batched.reshape(20, 70), full)
+    other = torch.cat([x[:1], torch.randn(6, 160).bfloat16()])  # row 0 beside other values
+    assert torch.equal(bf16_rows.linear(other, w, b)[0], full[0])
+
+
+def test_bind_marks_only_contiguous_bf16_cpu_linears_and_project_uses_them():
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40, bias=False), nn.Linear(40, 8)).bfloat16()
+    model.requires_grad_(False)
+    model[2] = model[2].float()
+    model[1].weight = nn.Parameter(model[1].weight.detach().t().contiguous().t())  # a transposed view
+    assert bf16_rows.bind(model, "bf16_rows") == 1
+    assert [getattr(m, bf16_rows.MARK) for m in model] == [True, False, False]
+    x = torch.randn(1, 3, 64).bfloat16()
+    assert torch.equal(project(model[0], x), bf16_rows.linear(x, model[0].weight, model[0].bias))
+    assert torch.equal(project(model[0], x[:, :1]), project(model[0], x)[:, :1])  # one row: the kernel, no padding
+    long = torch.randn(1, bf16_rows.ROWS_MAX + 1, 64).bfloat16()  # a long prefill: oneDNN, faster there
+    assert torch.equal(project(model[0], long), model[0](long))
+    model[0].weight.requires_grad_(True)  # training: the kernel has no backward, so oneDNN's GEMM runs
+    assert torch.equal(project(model[0], x), model[0](x))
+    model.float()
+    assert bf16_rows.bind(model, "bf16_rows") == 0 and not getattr(model[0], bf16_rows.MARK)
+
+
+def test_bind_leaves_every_linear_unmarked_where_the_kernel_cannot_run(monkeypatch):
+    monkeypatch.setattr(bf16_rows, "status", lambda: (False, "this CPU has no AVX-512 BF16"))
+    model = nn.Sequential(nn.Linear(64, 48)).bfloat16().requires_grad_(False)
+    assert bf16_rows.bind(model, "bf16_rows") == 0 and getattr(model[0], bf16_rows.MARK) is False
+    x = torch.randn(1, 1, 64).bfloat16()
+    assert torch.equal(project(model[0], x), model[0](torch.cat([x, torch.zeros_like(x)], 1))[:, :1])
+
+
+def test_refuses_a_mismatched_input():
+    x, w, _ = _case(2, 8, 64, False)
+    with pytest.raises(RuntimeError, match="columns"):
+        bf16_rows.linear(x[:, :32], w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        bf16_rows.linear(x, w.t().contiguous().t())
+
+
+def test_compiled_steps_get_the_eager_bits():
+    lin = nn.Linear(96, 80).bfloat16().requires_grad_(False)
+    bf16_rows.bind(lin, "bf16_rows")
+    step = torch.compile(lambda x: project(lin, x), dynamic=False, fullgraph=True)
+    for m in (1, 4):
+        x = torch.randn(1, m, 96).bfloat16()
+        assert torch.equal(step(x), project(lin, x)), m
+
+
+def test_the_choice_follows_the_cpu_and_the_environment(monkeypatch):
+    monkeypatch.delenv(bf16_rows.CHOICE_ENV, raising=False)
+    monkeypatch.setattr(bf16_rows, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16")
+    assert bf16_rows.choice() == "bf16_rows"
+    monkeypatch.setattr(bf16_rows, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16 amx_bf16 amx_tile")
+    assert bf16_rows.choice() == "onednn"  # AMX: oneDNN's tile GEMM, as before
+    model = nn.Sequential(nn.Linear(64, 48)).bfloat16().requires_grad_(False)
+    assert bf16_rows.bind(model) == 0
+    monkeypatch.setenv(bf16_rows.CHOICE_ENV, "bf16_rows")
+    assert bf16_rows.choice() == "bf16_rows" and bf16_rows.bind(model) == 1
+    monkeypatch.setenv(bf16_rows.CHOICE_ENV, "onednn")
+    assert bf16_rows.bind(model) == 0 and not getattr(model[0], bf16_rows.MARK)
+    monkeypatch.setenv(bf16_rows.CHOICE_ENV, "fast")
+    with pytest.raises(ConfigError, match="POLYBASIC_BF16_KERNEL.*auto, bf16_rows or onednn"):
+        bf16_rows.bind(model)
