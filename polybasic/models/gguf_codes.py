@@ -308,6 +308,7 @@ def project(lin: nn.Module, x: Tensor) -> Tensor:
         y = coded_matvec(_realized(x), codes, lin.code_scale, lin.code_min)  # [B, M, N]
         return y if lin.bias is None else y + lin.bias
     if (getattr(lin, bf16_rows.MARK, False) and x.dtype == lin.weight.dtype == torch.bfloat16
+            and x.device.type == lin.weight.device.type == "cpu"  # still where bind() found it
             and x.numel() <= bf16_rows.ROWS_MAX * x.shape[-1]  # longer prefills: oneDNN
             and not (x.requires_grad or lin.weight.requires_grad)):  # the kernel has no backward
         return bf16_rows.linear(x, lin.weight, lin.bias)  # row-invariant by construction
