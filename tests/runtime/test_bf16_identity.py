@@ -33,11 +33,8 @@ def _gemm_rows_invariant(k: int, n: int) -> bool:
 
 def _on(model, kernel: str):
     """model with every linear on `kernel`: bf16_rows (bound, as models.prepare does) or oneDNN (unbound)."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    if kernel == "bf16_rows":
-        assert bf16_rows.bind(model, "bf16_rows") == len(linears)
-    for m in linears:
-        setattr(m, bf16_rows.MARK, kernel == "bf16_rows")
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert bf16_rows.bind(model, kernel) == (linears if kernel == "bf16_rows" else 0)
     return model
 
 

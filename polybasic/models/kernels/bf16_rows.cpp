@@ -59,7 +59,8 @@ void column_block(const uint16_t* w, const uint16_t* x, const float* b, at::BFlo
   float out[MB * nb];
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const uint16_t* xm = x + m0 * K;
-    switch (std::min<int64_t>(MB, M - m0)) {
+    const int64_t rows = std::min<int64_t>(MB, M - m0);
+    switch (rows) {
       case 1: dot_block<1, nb>(w, xm, K, out); break;
       case 2: dot_block<2, nb>(w, xm, K, out); break;
       case 3: dot_block<3, nb>(w, xm, K, out); break;
@@ -67,7 +68,6 @@ void column_block(const uint16_t* w, const uint16_t* x, const float* b, at::BFlo
       case 5: dot_block<5, nb>(w, xm, K, out); break;
       default: dot_block<6, nb>(w, xm, K, out); break;
     }
-    const int64_t rows = std::min<int64_t>(MB, M - m0);
     for (int64_t r = 0; r < rows; ++r)
       for (int n = 0; n < nb; ++n)
         y[(m0 + r) * N + n0 + n] = at::BFloat16(out[r * nb + n] + (b ? b[n0 + n] : 0.f));
