@@ -6,8 +6,8 @@ Spec-Bench), with the levels below the target compiled once and the target eager
 
 A config is K:CONFIDENCE[:THRESHOLD,...] (Chain's k, draft_confidence and thresholds), configs separated
 by "/". Prints tokens/s per config over the prompts (greedy, 128 new tokens each, prefill included), with
-tau and each level's forwards, and checks that every config's tokens are the target's (vanilla's, when
---vanilla runs it).
+tau and each level's forwards, tokens fed and seconds, and checks that every config's tokens are the
+target's (vanilla's, when --vanilla runs it).
 """
 from __future__ import annotations
 
@@ -68,14 +68,14 @@ def main(argv=None) -> None:
             out, st = chain.generate(x, a.tokens)
             dt = time.perf_counter() - t0
             assert ref is None or out == ref, f"k={k} confidence={conf}: tokens differ from vanilla's"
-            forwards = {lv["name"]: lv["forwards"] for lv in st.levels}
+            forwards = {lv["name"]: (lv["forwards"], lv["tokens_fed"], lv["time_s"]) for lv in st.levels}
             rows.setdefault(f"k={k} confidence={conf} thresholds={th}", []).append((len(out), dt, st.target_forwards, forwards))
     print(f"\n{len(prompts)} prompts, {a.tokens} new tokens, greedy; target {a.model} {a.dtype}, chain {a.chain}")
-    print("| config | tokens/s | tau | forwards per level |\n|---|---|---|---|")
+    print("| config | tokens/s | tau | per level: forwards, tokens fed, seconds |\n|---|---|---|---|")
     for name, r in rows.items():
         n, dt, tf = sum(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r)
-        fw = {lv: sum(x[3].get(lv, 0) for x in r) for lv in r[0][3]}
-        print(f"| {name} | {n / dt:.2f} | {n / tf:.2f} | {fw or '-'} |")
+        fw = {lv: [round(sum(x[3][lv][i] for x in r), 2) for i in range(3)] for lv in r[0][3]}
+        print(f"| {name} | {n / dt:.2f} | {n / tf:.2f} | {'; '.join(f'{lv}: {f} / {t} / {s} s' for lv, (f, t, s) in fw.items()) or '-'} |")
 
 
 if __name__ == "__main__":
