@@ -28,7 +28,7 @@ def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
 @pytest.mark.parametrize("n,k", [(4, 32), (7, 1), (33, 100), (64, 96), (130, 544)])  # blocks of 4 rows and 32
 @pytest.mark.parametrize("bias", [False, True])                                   # columns, and their tails
 def test_product_is_the_exact_one_rounded_to_bf16(n, k, bias):
-    for m in (1, 2, 5, 6, 7, 13):  # blocks of 6 x rows and their remainders
+    for m in (1, 2, 5, 6, 7, 12, 13, 14, 20):  # passes of 6 x rows, of 7 where that saves one, and remainders
         x, w, b = _case(m, n, k, bias, seed=n + k + m)
         y = bf16_rows.linear(x, w, b)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
@@ -41,7 +41,8 @@ def test_product_is_the_exact_one_rounded_to_bf16(n, k, bias):
 def test_every_row_has_the_same_bits_whatever_surrounds_it():
     x, w, b = _case(20, 70, 160, True)
     full = bf16_rows.linear(x, w, b)
-    for a, e in [(0, 1), (3, 4), (0, 2), (5, 11), (2, 20), (19, 20), (0, 17)]:
+    # 20, 7, 13 and 14 rows run passes of 7, the others of 6
+    for a, e in [(0, 1), (3, 4), (0, 2), (5, 11), (2, 20), (19, 20), (0, 17), (0, 7), (1, 14), (4, 17)]:
         assert torch.equal(bf16_rows.linear(x[a:e], w, b), full[a:e]), (a, e)
     batched = bf16_rows.linear(x.view(4, 5, 160), w, b)  # [B, M, K] rows: the same rows
     assert batched.shape == (4, 5, 70) and torch.equal(batched.reshape(20, 70), full)

@@ -7,11 +7,12 @@
 // order (a masked last step when 32 does not divide K), then one horizontal sum of its lanes, plus
 // b[n] in fp32, rounded once to bf16. So a target's one-token step and each row of its k-token
 // verification get the same bits, which greedy chains need to match plain decoding exactly.
-// Blocking (NB rows of w by up to MB rows of x, NB * MB accumulators in registers) only decides how often
-// a weight row is read: once from memory, then from cache for the next MB rows of x. While a block's
-// passes run, the next block's weights are prefetched into L1, a few lines a step spread over the passes,
-// so that the memory is busy while the core computes (docs/results.md: 1.2-1.3x at 2-12 rows on an AMD
-// EPYC, none at one row, which the hardware prefetcher already keeps at the memory's speed).
+// Blocking (NB rows of w by up to MB rows of x a pass, NB * MB accumulators in registers; MB_WIDE where
+// that saves a pass) only decides how often a weight row is read: once from memory, then from cache for
+// the next passes. While a block's passes run, the next block's weights are prefetched into L1, a few
+// lines a step spread over the passes, so that the memory is busy while the core computes
+// (docs/results.md, an AMD EPYC: 1.16-1.44x at 2-17 rows; none at one row, which the hardware prefetcher
+// already keeps at the memory's speed).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,7 +28,8 @@
 namespace {
 
 constexpr int NB = 4;              // weight rows per block
-constexpr int MB = 6;              // x rows per block: NB * MB = 24 of the 32 vector registers accumulate
+constexpr int MB = 6;              // x rows per pass: NB * MB = 24 of the 32 vector registers accumulate
+constexpr int MB_WIDE = 7;         // 28 accumulators (x then read per product), where it saves a pass (7, 13-14 rows)
 
 #if PB_BF16
 // out[m * nb + n] = sum_k w[n, k] x[m, k] for the block's nb weight rows and mb x rows; each step also
@@ -58,31 +60,50 @@ inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* ou
     for (int n = 0; n < nb; ++n) out[m * nb + n] = _mm512_reduce_add_ps(acc[m][n]);
 }
 
-// y[:, n0:n0+nb] for every row of x, MB rows at a time; the passes prefetch [next, end) between them.
-template <int nb>
+// dot_block for a run-time row count 1..mb.
+template <int nb, int mb>
+inline void dispatch(int rows, const uint16_t* w, const uint16_t* x, int64_t K, float* out,
+                     const char* pf, const char* pf_end, int lines) {
+  if constexpr (mb > 0) {
+    if (rows == mb) dot_block<mb, nb>(w, x, K, out, pf, pf_end, lines);
+    else dispatch<nb, mb - 1>(rows, w, x, K, out, pf, pf_end, lines);
+  }
+}
+
+// y[:, n0:n0+nb] for every row of x, mb rows a pass; the passes prefetch [next, end) between them.
+template <int nb, int mb>
 void column_block(const uint16_t* w, const uint16_t* x, const float* b, at::BFloat16* y,
                   int64_t M, int64_t N, int64_t K, int64_t n0, const uint16_t* next, const uint16_t* end) {
-  float out[MB * nb];
-  const int64_t passes = (M + MB - 1) / MB, steps = (K + 31) / 32;
+  float out[mb * nb];
+  const int64_t passes = (M + mb - 1) / mb, steps = (K + 31) / 32;
   const char* from = reinterpret_cast<const char*>(next);
   const char* to = std::min(reinterpret_cast<const char*>(end), from + nb * K * 2);
   const int lines = static_cast<int>(((to - from) / 64 + passes * steps - 1) / (passes * steps));
-  for (int64_t m0 = 0, pass = 0; m0 < M; m0 += MB, ++pass) {
-    const uint16_t* xm = x + m0 * K;
-    const int64_t rows = std::min<int64_t>(MB, M - m0);
+  for (int64_t m0 = 0, pass = 0; m0 < M; m0 += mb, ++pass) {
+    const int rows = static_cast<int>(std::min<int64_t>(mb, M - m0));
     const char* pf = from + std::min<int64_t>(pass * steps * lines * 64, to - from);
-    switch (rows) {
-      case 1: dot_block<1, nb>(w, xm, K, out, pf, to, lines); break;
-      case 2: dot_block<2, nb>(w, xm, K, out, pf, to, lines); break;
-      case 3: dot_block<3, nb>(w, xm, K, out, pf, to, lines); break;
-      case 4: dot_block<4, nb>(w, xm, K, out, pf, to, lines); break;
-      case 5: dot_block<5, nb>(w, xm, K, out, pf, to, lines); break;
-      default: dot_block<6, nb>(w, xm, K, out, pf, to, lines); break;
-    }
-    for (int64_t r = 0; r < rows; ++r)
+    dispatch<nb, mb>(rows, w, x + m0 * K, K, out, pf, to, lines);
+    for (int r = 0; r < rows; ++r)
       for (int n = 0; n < nb; ++n)
         y[(m0 + r) * N + n0 + n] = at::BFloat16(out[r * nb + n] + (b ? b[n0 + n] : 0.f));
   }
+}
+
+// Every column block of y, both cores; mb rows of x a pass.
+template <int mb>
+void all_blocks(const uint16_t* wp, const uint16_t* xp, const float* bp, at::BFloat16* yp,
+                int64_t M, int64_t N, int64_t K) {
+  const int64_t blocks = N / NB;
+  const uint16_t* wend = wp + N * K;
+  at::parallel_for(0, blocks + (N % NB ? 1 : 0), 16, [&](int64_t i0, int64_t i1) {  // -fopenmp: both cores
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i < blocks) {
+        column_block<NB, mb>(wp + i * NB * K, xp, bp, yp, M, N, K, i * NB, wp + (i + 1) * NB * K, wend);
+      } else {
+        for (int64_t n = blocks * NB; n < N; ++n) column_block<1, mb>(wp + n * K, xp, bp, yp, M, N, K, n, wend, wend);
+      }
+    }
+  });
 }
 #endif
 
@@ -106,17 +127,8 @@ at::Tensor bf16_rows_mm(const at::Tensor& x_in, const at::Tensor& w, const c10::
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t blocks = N / NB;
-  const uint16_t* wend = wp + N * K;
-  at::parallel_for(0, blocks + (N % NB ? 1 : 0), 16, [&](int64_t i0, int64_t i1) {  // -fopenmp: both cores
-    for (int64_t i = i0; i < i1; ++i) {
-      if (i < blocks) {
-        column_block<NB>(wp + i * NB * K, xp, bp, yp, M, N, K, i * NB, wp + (i + 1) * NB * K, wend);
-      } else {
-        for (int64_t n = blocks * NB; n < N; ++n) column_block<1>(wp + n * K, xp, bp, yp, M, N, K, n, wend, wend);
-      }
-    }
-  });
+  if ((M + MB_WIDE - 1) / MB_WIDE < (M + MB - 1) / MB) all_blocks<MB_WIDE>(wp, xp, bp, yp, M, N, K);
+  else all_blocks<MB>(wp, xp, bp, yp, M, N, K);
 #endif
   return y;
 }
