@@ -33,10 +33,10 @@ constexpr int MB_WIDE = 7;         // 28 accumulators (x then read per product),
 
 #if PB_BF16
 // out[m * nb + n] = sum_k w[n, k] x[m, k] for the block's nb weight rows and mb x rows; each step also
-// prefetches `lines` cache lines from pf on (those before pf_end).
+// prefetches `lines` cache lines of the range [pf, pf + pf_len), from offset pf_at on.
 template <int mb, int nb>
 inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* out,
-                      const char* pf, const char* pf_end, int lines) {
+                      const char* pf, int64_t pf_at, int64_t pf_len, int lines) {
   __m512 acc[mb][nb];
   for (int m = 0; m < mb; ++m)
     for (int n = 0; n < nb; ++n) acc[m][n] = _mm512_setzero_ps();
@@ -44,8 +44,8 @@ inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* ou
   auto step = [&](auto load) {
     __m512bh wv[nb];
     for (int n = 0; n < nb; ++n) wv[n] = (__m512bh)load(w + n * K + k);
-    for (int l = 0; l < lines; ++l, pf += 64)
-      if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T0);
+    for (int l = 0; l < lines; ++l, pf_at += 64)
+      if (pf_at < pf_len) _mm_prefetch(pf + pf_at, _MM_HINT_T0);
     for (int m = 0; m < mb; ++m) {
       const __m512bh xv = (__m512bh)load(x + m * K + k);
       for (int n = 0; n < nb; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], wv[n], xv);
@@ -63,10 +63,10 @@ inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* ou
 // dot_block for a run-time row count 1..mb.
 template <int nb, int mb>
 inline void dispatch(int rows, const uint16_t* w, const uint16_t* x, int64_t K, float* out,
-                     const char* pf, const char* pf_end, int lines) {
+                     const char* pf, int64_t pf_at, int64_t pf_len, int lines) {
   if constexpr (mb > 0) {
-    if (rows == mb) dot_block<mb, nb>(w, x, K, out, pf, pf_end, lines);
-    else dispatch<nb, mb - 1>(rows, w, x, K, out, pf, pf_end, lines);
+    if (rows == mb) dot_block<mb, nb>(w, x, K, out, pf, pf_at, pf_len, lines);
+    else dispatch<nb, mb - 1>(rows, w, x, K, out, pf, pf_at, pf_len, lines);
   }
 }
 
@@ -76,13 +76,12 @@ void column_block(const uint16_t* w, const uint16_t* x, const float* b, at::BFlo
                   int64_t M, int64_t N, int64_t K, int64_t n0, const uint16_t* next, const uint16_t* end) {
   float out[mb * nb];
   const int64_t passes = (M + mb - 1) / mb, steps = (K + 31) / 32;
-  const char* from = reinterpret_cast<const char*>(next);
-  const char* to = std::min(reinterpret_cast<const char*>(end), from + nb * K * 2);
-  const int lines = static_cast<int>(((to - from) / 64 + passes * steps - 1) / (passes * steps));
+  const char* pf = reinterpret_cast<const char*>(next);
+  const int64_t len = std::min<int64_t>(reinterpret_cast<const char*>(end) - pf, nb * K * 2);  // bytes
+  const int lines = static_cast<int>((len / 64 + passes * steps - 1) / (passes * steps));
   for (int64_t m0 = 0, pass = 0; m0 < M; m0 += mb, ++pass) {
     const int rows = static_cast<int>(std::min<int64_t>(mb, M - m0));
-    const char* pf = from + std::min<int64_t>(pass * steps * lines * 64, to - from);
-    dispatch<nb, mb>(rows, w, x + m0 * K, K, out, pf, to, lines);
+    dispatch<nb, mb>(rows, w, x + m0 * K, K, out, pf, pass * steps * lines * 64, len, lines);
     for (int r = 0; r < rows; ++r)
       for (int n = 0; n < nb; ++n)
         y[(m0 + r) * N + n0 + n] = at::BFloat16(out[r * nb + n] + (b ? b[n0 + n] : 0.f));
