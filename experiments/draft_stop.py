@@ -74,8 +74,9 @@ def main(argv=None) -> None:
     print("| config | tokens/s | tau | per level: forwards, tokens fed, seconds |\n|---|---|---|---|")
     for name, r in rows.items():
         n, dt, tf = sum(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r)
-        fw = {lv: [round(sum(x[3][lv][i] for x in r), 2) for i in range(3)] for lv in r[0][3]}
-        print(f"| {name} | {n / dt:.2f} | {n / tf:.2f} | {'; '.join(f'{lv}: {f} / {t} / {s} s' for lv, (f, t, s) in fw.items()) or '-'} |")
+        sums = {lv: [round(sum(x[3][lv][i] for x in r), 2) for i in range(3)] for lv in r[0][3]}
+        levels = "; ".join(f"{lv}: {f} / {t} / {s} s" for lv, (f, t, s) in sums.items())
+        print(f"| {name} | {n / dt:.2f} | {n / tf:.2f} | {levels or '-'} |")
 
 
 if __name__ == "__main__":
