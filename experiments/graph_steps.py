@@ -4,9 +4,12 @@ download needed:
     python -m experiments.graph_steps --device cuda --sizes 1,16 --tokens 128 --dtypes float32
 
 For each dtype: greedy tokens/s of a 100-token prompt + --tokens new tokens, eager and compiled (second
-run of each; compile + warm-up time apart), how many compiled tokens equal the eager ones, T(M) per step
-size (median of 20 forwards at position 200), and inductor's counters (cudagraph_skips: steps that did
-not become CUDA graphs). Speed does not depend on the weights, so a random model times the real one.
+run of each; compile + warm-up time apart), how many compiled tokens equal the eager ones; compiled decoding
+with the host reading each token before the next step is queued ("sync") and after ("lookahead", CUDA's
+default), alternating for --rounds; T(M) per step size (median of 20 forwards at position 200, each
+waited for) and the same steps queued back to back (20 forwards, one wait: what the device alone or the
+host alone allows, whichever is slower); and inductor's counters (cudagraph_skips: steps that did not
+become CUDA graphs). Speed does not depend on the weights, so a random model times the real one.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="1,16", help="step sizes to compile, 1 first")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--rounds", type=int, default=3, help="alternating sync / lookahead decodes")
     a = p.parse_args(argv)
     sizes = tuple(int(s) for s in a.sizes.split(","))
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
@@ -46,10 +50,10 @@ def main(argv=None) -> None:
         m.load_state_dict(weights)
         return prepare_for_device(m)
 
-    def decode(m):
+    def decode(m, ahead=None):
         sync()
         t0 = time.perf_counter()
-        out = list(generate_tokens(m, prompt, a.tokens))
+        out = list(generate_tokens(m, prompt, a.tokens, lookahead=ahead))
         sync()
         return out, len(out) / (time.perf_counter() - t0)
 
@@ -64,7 +68,12 @@ def main(argv=None) -> None:
                 m(x, 200)
                 sync()
                 ts.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(ts[5:])
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                m(x, 200)
+            sync()
+        return f"{1e3 * statistics.median(ts[5:]):.2f} ({1e3 * (time.perf_counter() - t0) / 20:.2f} queued)"
 
     for name in a.dtypes.split(","):
         dtype = getattr(torch, name)
@@ -77,8 +86,16 @@ def main(argv=None) -> None:
         same = sum(x == y for x, y in zip(ref, out))
         print(f"{a.device} {name}: eager {eager_tps:.1f} tok/s, compiled {tps:.1f} tok/s (ready in {ready_s:.1f} s);"
               f" {same}/{len(ref)} tokens as eager")
+        rates = {False: [], True: []}
+        for _ in range(a.rounds):
+            for ahead in (False, True):
+                got, r = decode(compiled, ahead)
+                assert got == out, "lookahead changed the tokens"
+                rates[ahead].append(r)
+        print("  compiled tok/s, sync: " + " ".join(f"{r:.1f}" for r in rates[False])
+              + "; lookahead: " + " ".join(f"{r:.1f}" for r in rates[True]))
         print("  T(M) ms eager / compiled: " + ", ".join(
-            f"M={s}: {step_ms(eager, s):.2f} / {step_ms(compiled, s):.2f}" for s in sizes))
+            f"M={s}: {step_ms(eager, s)} / {step_ms(compiled, s)}" for s in sizes))
         print("  inductor:", {k: v for k, v in counters["inductor"].items() if "graph" in k})
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from polybasic.config import SamplingConfig
 from polybasic.errors import ConfigError, check
@@ -49,11 +50,18 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, context: int) -> i
 def generate_tokens(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
                     sampling: SamplingConfig = SamplingConfig(), eos: set[int] = frozenset(),
                     generator: torch.Generator | None = None,
-                    stats: GenerationStats | None = None) -> Iterator[int]:
-    """Yield new tokens one by one (the prompt is not repeated). Fills `stats` as it goes."""
+                    stats: GenerationStats | None = None, lookahead: bool | None = None) -> Iterator[int]:
+    """Yield new tokens one by one (the prompt is not repeated). Fills `stats` as it goes.
+
+    Each token is picked on the device and fed to the next forward from there. With `lookahead` (default:
+    on CUDA) the next forward is queued before the host reads the token, so the device never idles while
+    Python yields it; the tokens are the same, and a stop at an EOS leaves one forward computed for nothing
+    (its cache row is never read). On the CPU, whose ops run as they are called, lookahead would only
+    delay each token by a step, so it is off there."""
     stats = stats if stats is not None else GenerationStats()
     budget = check_request(prompt_ids, max_new_tokens, model.args.max_seq_len)
     check_generator(None if sampling.greedy else generator, model.device)
+    ahead = model.device.type == "cuda" if lookahead is None else lookahead
     t0 = time.perf_counter()
     model.setup_caches(len(prompt_ids) + budget)
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)  # [1, P]
@@ -63,16 +71,46 @@ def generate_tokens(model: Transformer, prompt_ids: list[int], max_new_tokens: i
     stats.prefill_s = time.perf_counter() - t0
     pos = len(prompt_ids)
     stats.stop_reason = "max_new_tokens" if budget == max_new_tokens else "context_window"
+    nxt = pick_token(logits[0, -1], sampling, generator)  # [] on the device
     for i in range(budget):
-        tok = sample(probs_from_logits(logits[0, -1], sampling), generator).item() if not sampling.greedy \
-            else int(logits[0, -1].argmax())
+        more = i + 1 < budget
+        host = HostValue(nxt)
+        if ahead and more:
+            logits, _ = model(nxt.view(1, 1), pos, last_only=True)
+        tok = host.get()
         stats.new_tokens += 1
         stats.wall_s = time.perf_counter() - t0
         yield tok
         if tok in eos:
             stats.stop_reason = "eos"
             break
-        if i + 1 < budget:
-            logits, _ = model(torch.tensor([[tok]], device=model.device), pos, last_only=True)
+        if more:
+            if not ahead:
+                logits, _ = model(nxt.view(1, 1), pos, last_only=True)
             pos += 1
+            nxt = pick_token(logits[0, -1], sampling, generator)
     stats.wall_s = time.perf_counter() - t0
+
+
+def pick_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
+    """logits [V] -> the next token [] on their device: the argmax, or a draw from the processed distribution."""
+    return logits.argmax() if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
+
+
+class HostValue:
+    """A device scalar's value copied to the host without waiting for the work queued after it: on CUDA
+    the copy goes to pinned memory and `get` waits for it alone (an event), not for the whole queue."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.event = None
+        if t.device.type == "cuda":
+            self.t = t.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.t = t
+
+    def get(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.t)

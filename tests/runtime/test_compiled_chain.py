@@ -116,7 +116,8 @@ def test_compiled_dense_chain_on_every_device(hf, device):
     chain = Chain(levels, k=3, thresholds=[5], eos={1})
     prompt = list(range(2, 21)) + list(range(2, 8))
     ref = list(generate_tokens(eager, prompt, 40, eos={1}))
-    assert list(generate_tokens(target, prompt, 40, eos={1})) == ref
+    for ahead in (False, True):  # the next step queued before the host reads a token, or after
+        assert list(generate_tokens(target, prompt, 40, eos={1}, lookahead=ahead)) == ref
     assert chain.generate(prompt, 40)[0] == ref
 
 

@@ -1,4 +1,6 @@
-"""Vanilla generation: greedy vs transformers, sampling reproducibility, EOS, limits, errors."""
+"""Vanilla generation: greedy vs transformers, sampling reproducibility, EOS, limits, lookahead, errors."""
+import copy
+
 import pytest
 import torch
 
@@ -47,6 +49,25 @@ def test_eos_stops_and_limits(pair):
     st = GenerationStats()
     assert len(list(generate_tokens(lean, [i % 100 for i in range(250)], 100, stats=st))) == 6
     assert st.stop_reason == "context_window"
+
+
+def test_lookahead_gives_the_same_tokens_and_stats(pair, device):
+    """Queuing the next forward before the host reads a token (CUDA's default) changes no token, stop or
+    count, greedy or sampled, on every device; at an EOS the queued forward is dropped."""
+    lean = copy.deepcopy(pair[1]).to(device)
+    prompt = [4, 5, 6]
+    s = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)
+    free = list(generate_tokens(lean, prompt, 20, lookahead=False))
+    for kw in (dict(), dict(eos={free[7]}), dict(sampling=s)):
+        runs = []
+        for ahead in (False, True):
+            st = GenerationStats()
+            gen = make_generator(3, device) if "sampling" in kw else None
+            out = list(generate_tokens(lean, prompt, 20, generator=gen, stats=st, lookahead=ahead, **kw))
+            runs.append((out, st.new_tokens, st.stop_reason))
+        assert runs[0] == runs[1], kw
+    assert runs[0][0] != free  # the sampled run is not the greedy one
+    assert list(generate_tokens(lean, prompt, 20, eos={free[7]}, lookahead=True)) == free[:free.index(free[7]) + 1]
 
 
 @pytest.mark.parametrize("bad, match", [
