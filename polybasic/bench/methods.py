@@ -180,19 +180,20 @@ def _target_in(ctx: BenchContext, dtype: str | None, method: str):
 def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, method: str) -> Runner:
     model = _target_in(ctx, dtype, method)
     _compile_levels(ctx, [ModelLevel(model)], gguf, f"{method}:{dtype}" if dtype else method,
-                    decode_sizes(ctx.step_sizes, model.device))
+                    decode_sizes(ctx.step_sizes, model.device), decode=True)
     return _generate_runner(ctx, model)
 
 
-def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: str, sizes=None) -> None:
+def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: str, sizes=None,
+                    decode: bool = False) -> None:
     """Compile `levels` (target first) for the run's requests, every step size (`sizes`, default the run's
-    --step-sizes) and cache size at once (no compile lands in a timed prompt), and record the time it took
-    in ctx.compile_s[method]."""
+    --step-sizes; with `decode`, a lone model's two plain-decoding steps) and cache size at once (no compile
+    lands in a timed prompt), and record the time it took in ctx.compile_s[method]."""
     cap = ctx.model.args.max_seq_len
     lengths = [min(cap, n + ctx.max_new_tokens + 1) for n in ctx.prompt_tokens] or [min(cap, 256)]
     say = lambda msg: print(f"[{method}: {msg}]", file=sys.stderr)  # noqa: E731
     ctx.compile_s[method] = compile_levels(levels, max(lengths), gguf, sizes or ctx.step_sizes, say,
-                                           f"--methods {method}", lengths)
+                                           f"--methods {method}", lengths, decode)
 
 
 @register("vanilla-compiled", MethodArg("DTYPE", check=_check_dtype_arg))

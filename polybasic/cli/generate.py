@@ -156,7 +156,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         else:  # plain decoding: the one-token step and the prefill chunk
             levels, sizes = [ModelLevel(lm.model)], decode_sizes(None, lm.model.device)
         times["compile"] = compile_levels(levels, min(lm.args.max_seq_len, len(ids) + a.max_new_tokens + 1),
-                                          lm.gguf_file, sizes, notify=say)
+                                          lm.gguf_file, sizes, notify=say, decode=chain is None)
     generator = ctx.generator()
     if chain is not None:
         token_iter = chain.stream(ids, a.max_new_tokens, sampling, generator)

@@ -54,11 +54,12 @@ class Transformer(nn.Module):
         """Allocate KV caches and RoPE tables for sequences of up to max_seq_len tokens.
 
         Eager, the caches only grow. With static steps (compile_steps) they take the request's size class
-        (StaticSteps.cache_rows: a power of two >= 256 rows, plus the largest step's padding rows), smaller
-        as well as larger: a static step attends over every cache row, so a short request in caches sized
-        for a long one would pay for rows it never reads (on a 2-core AMD EPYC, a Qwen2.5-Coder-1.5B W4 copy's
-        attention took 3.6 ms a step at 1,088 rows, 1.9 ms at 320). Each size class compiles its steps
-        once (runtime.compiled.compile_levels warms the ones a run needs)."""
+        (StaticSteps.cache_rows: a power of two >= 256 rows, plus the largest step's padding rows), on the
+        CPU smaller as well as larger: a static step attends over every cache row, so a short request in
+        caches sized for a long one would pay for rows it never reads (on a 2-core AMD EPYC, a Qwen2.5-Coder-1.5B
+        W4 copy's attention took 3.6 ms a step at 1,088 rows, 1.9 ms at 320). On CUDA they only grow
+        (StaticSteps.shrink). Each size class compiles its steps once (runtime.compiled.compile_levels warms
+        the ones a run needs)."""
         if max_seq_len > self.args.max_seq_len:
             raise ConfigError(f"max_seq_len: {max_seq_len} exceeds the model's context window of "
                               f"{self.args.max_seq_len} tokens; shorten the prompt or max_new_tokens")
@@ -66,7 +67,8 @@ class Transformer(nn.Module):
         rows = max_seq_len
         if self._static is not None:  # padding rows write up to `largest` rows past the sequence
             max_seq_len, rows = self._static.cache_rows(max_seq_len, self.args.max_seq_len)
-            if max_seq_len == self.max_seq_len and same_batch:
+            if same_batch and (max_seq_len == self.max_seq_len or
+                               (max_seq_len < self.max_seq_len and not self._static.shrink)):
                 return
         elif max_seq_len <= self.max_seq_len and same_batch:
             return
@@ -126,16 +128,19 @@ class Transformer(nn.Module):
         return coded
 
     @torch.inference_mode()
-    def warm_steps(self) -> None:
+    def warm_steps(self, decode: bool = False) -> None:
         """Compile every step now: each size with all rows' logits, and the one-token and prefill-chunk
         steps that read one row's, so that no compile lands inside a timed or latency-critical call.
-        Writes garbage to cache rows the next generation overwrites; needs setup_caches first."""
+        decode: only the two steps plain decoding runs (generate_tokens), the one-token step and the prefill
+        chunk, each reading one row's logits. Writes garbage to cache rows the next generation overwrites;
+        needs setup_caches first."""
         steps = self._static
         for _ in range(steps.warm_runs):
-            for size in steps.sizes:
+            for size in (1, steps.largest) if decode else steps.sizes:
                 tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
-                self(tokens, 0)  # one row's logits for size 1, all rows' for the others
-                if size == steps.largest:
+                if not decode:
+                    self(tokens, 0)  # one row's logits for size 1, all rows' for the others
+                if size == steps.largest or decode:
                     self(tokens, 0, last_only=True)
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,

@@ -14,12 +14,13 @@ from polybasic.runtime.levels import Level, ModelLevel
 
 def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | None = None, sizes=None,
                    notify: Callable[[str], None] | None = None, flag: str = "--compile",
-                   lengths: Sequence[int] = ()) -> float:
+                   lengths: Sequence[int] = (), decode: bool = False) -> float:
     """Compile the forwards of every model level and EAGLE head in `levels` (target first), with caches
     for sequences of up to `max_len` tokens, and run each step size until it is steady (StaticSteps.warm_runs).
     lengths: the longest sequence of each request to come (e.g. a benchmark's prompts plus their token
-    budget); their caches' size classes are warmed too (Transformer.setup_caches), so that no request
-    compiles. gguf: the file the target's fp32 weights were expanded from (its steps of up to
+    budget); their caches' size classes are warmed too (Transformer.setup_caches; on CUDA the caches only
+    grow, so only the largest class), so that no request compiles. decode: a lone model for plain decoding,
+    which runs two steps only (Transformer.warm_steps). gguf: the file the target's fp32 weights were expanded from (its steps of up to
     gguf_codes.CODED_ROWS tokens read the block codes). Returns the seconds it took
     (compiling, or loading compiled steps from inductor's cache). Model-free levels are left as they are."""
     t0 = time.perf_counter()
@@ -35,11 +36,11 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
         lvl.head.bind(lvl.base.model)
         lvl.head.setup_caches(max_len + 1)
     warmed = set()  # (model, cache size class)
-    for n in [*sorted(set(lengths)), max_len]:  # max_len last: the caches end in its size class
-        for m in models:
+    for n in [max_len, *sorted(set(lengths)), max_len]:  # max_len first (caches that only grow stay in its
+        for m in models:  # class) and last (the caches end in its class)
             m.setup_caches(n)
             if (id(m), m.max_seq_len) not in warmed:
-                m.warm_steps()
+                m.warm_steps(decode)
                 warmed.add((id(m), m.max_seq_len))
     for lvl in heads:
         lvl.head.warm_steps(tuple({lvl.head.cfg.dim, lvl.base.model.args.dim * (1 + len(lvl.head.cfg.feature_layers))}))

@@ -213,10 +213,35 @@ def test_plain_decoding_needs_only_the_decode_sizes():
     lean, compiled = lean_from_hf(hf), lean_from_hf(hf)
     compile_for_device(compiled, sizes=decode_sizes([1, 2, 4, 16], cpu))
     compiled.setup_caches(120)
-    compiled.warm_steps()
+    compiled.warm_steps(decode=True)
     warm = compiled._static.compiles
+    assert warm == 2  # the one-token step and the prefill chunk, each reading one row's logits
     ids = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(5)).tolist()
     for n_prompt in (1, 3, 16, 37):
         prompt = ids[:n_prompt]
         assert list(generate_tokens(compiled, prompt, 12)) == list(generate_tokens(lean, prompt, 12))
     assert compiled._static.compiles == warm, "plain decoding ran a step size decode_sizes left out"
+
+
+def test_caches_that_only_grow_keep_their_size_class():
+    """On CUDA (StaticSteps.shrink False) a compiled model's caches only grow: a short request after a long
+    one keeps the long one's size class (no other graph), and compile_levels warms that class alone;
+    where they shrink (the CPU), each request takes its own class. Forced here on the CPU."""
+    from polybasic.runtime.compiled import compile_levels
+    from polybasic.runtime.generate import generate_tokens
+    from polybasic.runtime.levels import ModelLevel
+
+    hf = tiny_hf_llama(tie=True, max_pos=1024)
+    lean = lean_from_hf(hf)
+    for shrink, classes in ((True, {256, 512}), (False, {512})):
+        compiled = lean_from_hf(hf)
+        compile_for_device(compiled, sizes=(1, 8))
+        compiled._static.shrink = shrink
+        compile_levels([ModelLevel(compiled)], 300, lengths=[40, 300], decode=True)
+        assert compiled.max_seq_len == 512
+        warm = compiled._static.compiles
+        assert warm == 2 * len(classes)  # two decoding steps per class warmed
+        prompt = list(range(3, 40))
+        assert list(generate_tokens(compiled, prompt, 8)) == list(generate_tokens(lean, prompt, 8))
+        assert compiled.max_seq_len == (256 if shrink else 512)
+        assert compiled._static.compiles == warm, "a request compiled a step compile_levels left out"
