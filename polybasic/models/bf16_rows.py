@@ -9,7 +9,9 @@ verifications (gguf_codes.project).
 
 `bind(model)` marks a model's bf16 CPU linears for it, once at load time (models.prepare); `project`
 then calls `linear` for them, eager or compiled (a fake implementation lets torch.compile trace the op),
-for calls of up to ROWS_MAX rows.
+for calls of up to ROWS_MAX rows. It also lets the model's attention run `attend`, the same kind of kernel
+for a decoding step's or a verification's rows: each row as if alone, over the cache rows it may see only
+(a static step's caches hold more rows than it reads).
 `status()` says once per process whether it can run here, and why not; where it cannot, and on CPUs with
 AMX unless $POLYBASIC_BF16_KERNEL says otherwise (`choice()`), linears keep oneDNN.
 """
@@ -28,6 +30,7 @@ from polybasic.models.native import cpu_flags, load_ops, usable
 
 SOURCE = files("polybasic.models") / "kernels" / "bf16_rows.cpp"
 MARK = "bf16_rows"  # the attribute bind() sets on a linear
+ATTEND = "row_attention"  # the attribute of an attention module that bind() sets: True runs `attend` on bf16 CPU rows
 CHOICE_ENV = "POLYBASIC_BF16_KERNEL"
 ROWS_MAX = 64  # calls of more rows (long prefills) run oneDNN, faster there: the kernel ran one model's linears at
 # 0.91x / 0.74x / 0.66x oneDNN's speed at 64 / 128 / 512 rows, and at 2.25x / 1.36x / 1.16x at 1 / 4 / 17 (AMD EPYC,
@@ -38,11 +41,15 @@ ROWS_MAX = 64  # calls of more rows (long prefills) run oneDNN, faster there: th
 def build(cache_dir: Path | None = None) -> Path:
     """Compile the kernel (once per source, torch version and CPU) and load its ops; returns the
     library's path. Raises RuntimeError naming the cause when no compiler is found or the build fails."""
-    return load_ops("bf16_rows", SOURCE, {"mm": _mm_fake}, cache_dir)
+    return load_ops("bf16_rows", SOURCE, {"mm": _mm_fake, "attend": _attend_fake}, cache_dir)
 
 
 def _mm_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])  # [M, N]
+
+
+def _attend_fake(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+    return q.new_empty(q.shape)  # [1, H, M, D]
 
 
 @cache
@@ -56,6 +63,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., K] bf16 @ weight [N, K]^T (+ bias) -> [..., N] bf16, every row summed as if alone."""
     y = torch.ops.polybasic_bf16_rows.mm(x.reshape(-1, x.shape[-1]), weight, bias)  # [rows, N]
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+    """q [1, H, M, D] bf16 over k, v [1, G, S, D] (rows contiguous), row i seeing key rows 0..pos[i] (pos [M]) ->
+    [1, H, M, D] bf16, every row computed as if alone (kernels/bf16_rows.cpp)."""
+    return torch.ops.polybasic_bf16_rows.attend(q, k, v, pos)
 
 
 def choice() -> str:
@@ -72,13 +85,24 @@ def choice() -> str:
 
 def bind(model: nn.Module, kernel: str | None = None) -> int:
     """Mark every nn.Linear of `model` whose weight is contiguous bf16 on a CPU to run on this kernel (and
-    unmark the others) when `kernel` (default: choice()) is 'bf16_rows' and it can run here; returns how
-    many are marked. Values are unchanged."""
+    unmark the others), and let its attention modules (those with the attribute ATTEND) run `attend` on bf16
+    CPU rows, when `kernel` (default: choice()) is 'bf16_rows' and it can run here; returns how many linears
+    are marked. Values are unchanged."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
-    ok = any(map(_fits, linears)) and (kernel or choice()) == "bf16_rows" and status()[0]
+    attentions = [m for m in model.modules() if hasattr(m, ATTEND)]
+    bf16 = any(map(_fits, linears)) or any(t.dtype == torch.bfloat16 and t.device.type == "cpu"
+                                           for t in model.parameters())  # a quantized copy: its norms
+    ok = bf16 and (kernel or choice()) == "bf16_rows" and status()[0]
     for mod in linears:
         setattr(mod, MARK, ok and _fits(mod))
+    for mod in attentions:
+        setattr(mod, ATTEND, ok and _attention_fits(mod))
     return sum(getattr(mod, MARK) for mod in linears)
+
+
+def _attention_fits(attn: nn.Module) -> bool:
+    return attn.head_dim % 32 == 0 and attn.head_dim <= 256 and attn.n_heads % attn.n_kv == 0 \
+        and attn.n_heads // attn.n_kv <= 8
 
 
 def _fits(lin: nn.Linear) -> bool:

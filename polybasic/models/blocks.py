@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from polybasic.models import bf16_rows
 from polybasic.models.args import ModelArgs
 from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES, project
 
@@ -88,6 +89,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(in_dim or args.dim, qkv_out, bias=args.qkv_bias)  # [q; k; v] rows
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
+        self.row_attention = False  # bf16 rows on the CPU run bf16_rows.attend (set by bf16_rows.bind)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
         """x [B, M, E]; cos, sin [M, 1, D] with sin sign-folded; mask [M, start+M] or [B, 1, M, start+M], or None for
@@ -101,7 +103,13 @@ class Attention(nn.Module):
         q = qk[:, :, :h].transpose(1, 2)  # [B, H, M, D]
         k, v = self.kv_cache.update(start, qk[:, :, h:].transpose(1, 2),
                                     qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D] (static: [B, G, S, D])
-        if isinstance(start, Tensor):
+        if (self.row_attention and bsz == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+                and (mask is None or mask.dim() == 2) and (isinstance(start, Tensor) or start > 0 or m == 1)):
+            # a static step (mask = the rows up to each position), a one-token step, or a verification (mask
+            # None or the causal slice): each row alone over the keys up to its position, whatever M is
+            pos = start if isinstance(start, Tensor) else torch.arange(start, start + m, device=q.device)  # [M]
+            y = bf16_rows.attend(q, k, v, pos)  # [1, H, M, D]
+        elif isinstance(start, Tensor):
             y = masked_attention(q, k, v, mask)  # [B, H, M, D]
         elif m == 1 and (mask is None or mask.dim() == 4):  # one row: no mask, or a batch's key mask [B, 1, 1, S]
             y = self._attend_one(q, k, v, mask)  # [B, H, 1, D]

@@ -108,3 +108,74 @@ def test_the_choice_follows_the_cpu_and_the_environment(monkeypatch):
     monkeypatch.setenv(bf16_rows.CHOICE_ENV, "fast")
     with pytest.raises(ConfigError, match="POLYBASIC_BF16_KERNEL.*auto, bf16_rows or onednn"):
         bf16_rows.bind(model)
+
+
+def _attention_case(h: int, g: int, d: int, m: int, s: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, n, r, d, generator=gen).bfloat16() for n, r in ((h, m), (g, s), (g, s)))
+    return q, k, v
+
+
+def _attention_exact(q, k, v, pos):
+    h, m, d = q.shape[1:]
+    g = k.shape[1]
+    out = torch.empty(1, h, m, d, dtype=torch.float64)
+    for i in range(m):
+        keys = slice(0, int(pos[i]) + 1)
+        for j in range(h):
+            kv = j // (h // g)
+            p = (q[0, j, i].double() @ k[0, kv, keys].double().T / d ** 0.5).softmax(-1)
+            out[0, j, i] = p @ v[0, kv, keys].double()
+    return out
+
+
+@pytest.mark.parametrize("h,g,d", [(12, 2, 128), (9, 3, 64), (14, 2, 64), (4, 4, 32), (16, 2, 256)])
+def test_attention_is_close_to_the_exact_one(h, g, d):
+    q, k, v = _attention_case(h, g, d, 6, 70, seed=h + d)
+    pos = torch.tensor([0, 1, 15, 16, 40, 69])  # one key, a key-block edge, the whole cache
+    y = bf16_rows.attend(q, k, v, pos)
+    exact = _attention_exact(q, k, v, pos)
+    assert y.shape == q.shape and y.dtype == torch.bfloat16
+    # bf16 rounding of the result (2^-9 relative) plus fp32 scores, exponentials and sums
+    assert ((y.double() - exact).abs() <= 2 ** -8 * exact.abs() + 2e-3).all()
+
+
+def test_attention_rows_have_the_same_bits_alone_and_read_only_their_keys():
+    q, k, v = _attention_case(12, 2, 128, 9, 300)
+    pos = torch.tensor([250, 251, 252, 253, 254, 255, 256, 257, 258])  # a verification's positions
+    full = bf16_rows.attend(q, k, v, pos)
+    for a, e in [(0, 1), (4, 5), (0, 3), (2, 9), (8, 9)]:
+        assert torch.equal(bf16_rows.attend(q[:, :, a:e], k, v, pos[a:e]), full[:, :, a:e]), (a, e)
+    other = torch.cat([q[:, :, :1], torch.randn(1, 12, 4, 128).bfloat16()], 2)  # row 0 beside other rows
+    assert torch.equal(bf16_rows.attend(other, k, v, torch.tensor([250, 7, 8, 9, 10]))[:, :, 0], full[:, :, 0])
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 259:], v2[:, :, 259:] = 1e4, -1e4  # cache rows past every position: never read
+    assert torch.equal(bf16_rows.attend(q, k2, v2, pos), full)
+    assert torch.equal(bf16_rows.attend(q, k[:, :, :259], v[:, :, :259], pos), full)  # a slice of the cache
+    step = torch.compile(bf16_rows.attend, dynamic=False, fullgraph=True)
+    assert torch.equal(step(q, k, v, pos), full)  # compiled: the same op, the same bits
+
+
+def test_attention_refuses_what_it_cannot_run():
+    q, k, v = _attention_case(4, 2, 48, 1, 8)
+    with pytest.raises(RuntimeError, match="head size 48"):
+        bf16_rows.attend(q, k, v, torch.tensor([3]))
+    q, k, v = _attention_case(4, 2, 64, 2, 8)
+    with pytest.raises(RuntimeError, match="1 positions for 2 rows"):
+        bf16_rows.attend(q, k, v, torch.tensor([3]))
+
+
+def test_bind_lets_a_bf16_cpu_models_attention_run_the_kernel(monkeypatch):
+    from tests.helpers import lean_from_hf, tiny_hf_llama
+
+    model = lean_from_hf(tiny_hf_llama(tie=True, hidden=128, heads=4, kv_heads=2), torch.bfloat16)  # head size 32
+    attentions = [layer.attention for layer in model.layers]
+    bf16_rows.bind(model, "bf16_rows")
+    assert all(getattr(a, bf16_rows.ATTEND) for a in attentions)
+    bf16_rows.bind(model, "onednn")
+    assert not any(getattr(a, bf16_rows.ATTEND) for a in attentions)
+    bf16_rows.bind(model.float(), "bf16_rows")  # fp32: nothing for the kernel
+    assert not any(getattr(a, bf16_rows.ATTEND) for a in attentions)
+    monkeypatch.setattr(bf16_rows, "status", lambda: (False, "this CPU has no AVX-512 BF16"))
+    bf16_rows.bind(model.bfloat16(), "bf16_rows")
+    assert not any(getattr(a, bf16_rows.ATTEND) for a in attentions)

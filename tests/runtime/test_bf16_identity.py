@@ -5,9 +5,10 @@ Reduced-precision CPU GEMMs give a row the same bits for any row count >= 2 but 
 SDPA's bits for a row change with the row count; bf16 rounding turns those last-bit differences into
 different logits and, on near-ties, different greedy tokens (18/26 identical Spec-Bench answers for a
 bf16 Qwen2.5-Coder-1.5B chain before the fix). The lean decoder therefore runs its bf16 linears on the
-row-invariant kernel bf16_rows where the CPU has AVX-512 BF16, else oneDNN with a single row run as two
-(gguf_codes.project); a verification's attention row by row with each row's own key length; and a
-chain's target prefills the prompt alone (ModelLevel.score), as vanilla does. Both kernels are tested."""
+row-invariant kernel bf16_rows where the CPU has AVX-512 BF16, and its attention too (each row alone over
+its own keys), else oneDNN with a single row run as two (gguf_codes.project) and a verification's attention
+row by row with each row's own key length; and a chain's target prefills the prompt alone
+(ModelLevel.score), as vanilla does. Both kernels are tested."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ def _on(model, kernel: str):
     """model with every linear on `kernel`: bf16_rows (bound, as models.prepare does) or oneDNN (unbound)."""
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     assert bf16_rows.bind(model, kernel) == (linears if kernel == "bf16_rows" else 0)
+    assert all(getattr(layer.attention, bf16_rows.ATTEND) == (kernel == "bf16_rows") for layer in model.layers)
     return model
 
 

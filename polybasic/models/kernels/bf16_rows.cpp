@@ -17,7 +17,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PB_BF16 1
@@ -132,13 +134,158 @@ at::Tensor bf16_rows_mm(const at::Tensor& x_in, const at::Tensor& w, const c10::
   return y;
 }
 
+#if PB_BF16
+// e^x for x <= 0 (lanes of -inf give 0): n = round(x / ln 2), r = x - n ln 2, e^r by Cephes' expf
+// polynomial, scaled by 2^n (vscalefps). A few ulp; the same bits for the same x wherever it runs.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 underflows to 0 after scaling
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 bf16x16_to_ps(const uint16_t* p) {  // 16 bf16 -> 16 fp32, exactly
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// One query row of the r query heads sharing kv head g: out[h] = softmax(q[h] . k[0..L) * scale) @ v[0..L).
+// D is a multiple of 32, at most 256. s is scratch of r * Lp floats (Lp = L rounded up to 16).
+template <int r>
+void attend_row(const uint16_t* const* q, const uint16_t* k, const uint16_t* v, int64_t krow, int64_t L,
+                int64_t D, float scale, float* s, int64_t Lp, at::BFloat16* const* out) {
+  const int64_t C = D / 32;
+  __m512bh qv[r][8];
+  for (int h = 0; h < r; ++h)
+    for (int64_t c = 0; c < C; ++c) qv[h][c] = (__m512bh)_mm512_loadu_si512(q[h] + 32 * c);
+  for (int64_t j = 0; j < L; ++j) {  // scores, one key row at a time: each of the r heads reads it
+    const uint16_t* kj = k + j * krow;
+    __m512 acc[r];
+    for (int h = 0; h < r; ++h) acc[h] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kj + 32 * c);
+      for (int h = 0; h < r; ++h) acc[h] = _mm512_dpbf16_ps(acc[h], qv[h][c], kv);
+    }
+    for (int h = 0; h < r; ++h) s[h * Lp + j] = _mm512_reduce_add_ps(acc[h]) * scale;
+  }
+  float inv[r];
+  for (int h = 0; h < r; ++h) {  // softmax in fp32: max, e^(s - max) in place, sum (16 lanes, then one sum)
+    float* sh = s + h * Lp;
+    for (int64_t j = L; j < Lp; ++j) sh[j] = -INFINITY;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < Lp; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + j));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Lp; j += 16) {
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sh + j), top));
+      _mm512_storeu_ps(sh + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[h] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t c = 0; c < D / 16; c += 8) {  // weighted sum of v, 128 columns (8 vectors) per head a sweep
+    const int64_t w = std::min<int64_t>(8, D / 16 - c);
+    __m512 acc[r][8];
+    for (int h = 0; h < r; ++h)
+      for (int64_t u = 0; u < 8; ++u) acc[h][u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) {
+      const uint16_t* vj = v + j * krow + 16 * c;
+      for (int64_t u = 0; u < w; ++u) {
+        const __m512 x = bf16x16_to_ps(vj + 16 * u);
+        for (int h = 0; h < r; ++h) acc[h][u] = _mm512_fmadd_ps(_mm512_set1_ps(s[h * Lp + j]), x, acc[h][u]);
+      }
+    }
+    for (int h = 0; h < r; ++h)
+      for (int64_t u = 0; u < w; ++u)
+        _mm256_storeu_si256((__m256i*)(out[h] + 16 * (c + u)),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[h][u], _mm512_set1_ps(inv[h]))));
+  }
+}
+
+template <int r>
+void attend_rows_r(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos,
+                   at::Tensor& y, float scale) {
+  const int64_t H = q.size(1), M = q.size(2), D = q.size(3), G = k.size(1);
+  const int64_t S = k.size(2), krow = k.stride(2);
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, G * M, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / M, i = t % M, L = std::min<int64_t>(pos[i] + 1, S), Lp = (L + 15) / 16 * 16;
+      s.resize(r * Lp);
+      const uint16_t* qh[r];
+      at::BFloat16* oh[r];
+      for (int h = 0; h < r; ++h) {
+        const int64_t head = g * r + h;
+        qh[h] = qp + head * q.stride(1) + i * q.stride(2);
+        oh[h] = yp + (head * M + i) * D;
+      }
+      attend_row<r>(qh, kp + g * k.stride(1), vp + g * v.stride(1), krow, L, D, scale, s.data(), Lp, oh);
+    }
+  });
+}
+
+template <int r>
+void attend_dispatch(int heads, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos,
+                     at::Tensor& y, float scale) {
+  if constexpr (r > 0) {
+    if (heads == r) attend_rows_r<r>(q, k, v, pos, y, scale);
+    else attend_dispatch<r - 1>(heads, q, k, v, pos, y, scale);
+  }
+}
+#endif
+
+// Attention of M query rows in bf16, each row computed alone: q [1, H, M, D], k and v [1, G, S, D] (rows of
+// stride D * any; a cache or a slice of one), pos [M] int64: row i sees key rows 0..pos[i] -> y [1, H, M, D].
+// Scores are vdpbf16ps dot products summed like bf16_rows_mm's (16 lanes in order, one horizontal sum),
+// times D^-0.5; softmax and the weighted sum of v in fp32, key rows in order; one rounding to bf16. A row's
+// bits depend on its own q, pos and keys alone, not on M or the other rows, so a verification's rows
+// equal one-token steps'.
+at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos_in) {
+  TORCH_CHECK(PB_BF16, "bf16_rows: built for a CPU without AVX-512 BF16");
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_in.size(0) == 1 && k.size(0) == 1 &&
+              v.sizes() == k.sizes(), "bf16_rows.attend: q [1, H, M, D], k and v [1, G, S, D]");
+  TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16 && q_in.device().is_cpu() && k.device().is_cpu(),
+              "bf16_rows.attend: bf16 CPU tensors");
+  const int64_t H = q_in.size(1), M = q_in.size(2), D = q_in.size(3), G = k.size(1);
+  TORCH_CHECK(k.size(3) == D && D % 32 == 0 && D <= 256 && H % G == 0 && H / G <= 8,
+              "bf16_rows.attend: head size ", D, " (a multiple of 32 up to 256), ", H, " query heads over ", G,
+              " kv heads (at most 8 per kv head)");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(),
+              "bf16_rows.attend: k and v rows must be contiguous, with the same strides");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor pos = pos_in.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == M, "bf16_rows.attend: ", pos.numel(), " positions for ", M, " rows");
+  at::Tensor y = at::empty({1, H, M, D}, q.options());
+#if PB_BF16
+  attend_dispatch<8>(static_cast<int>(H / G), q, k, v, pos.data_ptr<int64_t>(), y, 1.f / std::sqrt(float(D)));
+#endif
+  return y;
+}
+
 bool bf16_rows_native() { return PB_BF16; }
 
 }  // namespace
 
 TORCH_LIBRARY(polybasic_bf16_rows, m) {
   m.def("mm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos) -> Tensor");
   m.def("native() -> bool", &bf16_rows_native);
 }
 
-TORCH_LIBRARY_IMPL(polybasic_bf16_rows, CPU, m) { m.impl("mm", &bf16_rows_mm); }
+TORCH_LIBRARY_IMPL(polybasic_bf16_rows, CPU, m) {
+  m.impl("mm", &bf16_rows_mm);
+  m.impl("attend", &bf16_rows_attend);
+}
