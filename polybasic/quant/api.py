@@ -18,9 +18,10 @@ from torch import nn
 from polybasic.artifacts import save_safetensors
 from polybasic.config import QuantConfig
 from polybasic.errors import ConfigError, ModelNotFoundError
-from polybasic.models.decoder import Transformer, use_decode_layout
+from polybasic.models.decoder import Transformer
 from polybasic.models.loader import LoadedModel, folder_and_args, load_model, load_tokenizer
 from polybasic.models.preflight import FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors, safetensors_metadata
+from polybasic.models.prepare import prepare_for_device
 from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
 
 FORMAT = QUANT_FORMAT
@@ -167,9 +168,10 @@ def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.
         (mod, _, attr), (src, _, src_attr) = alias.rpartition("."), name.rpartition(".")
         setattr(model.get_submodule(mod), attr, getattr(model.get_submodule(src), src_attr))
 
-    # the float modules left (e.g. a tied LM head) get the layout load_model gives them, so the copy
-    # runs the same kernels on the same layouts as the model it was saved from: equal outputs
-    return use_decode_layout(model.eval().requires_grad_(False))
+    # the float modules left (e.g. a tied LM head) get the layout and kernels load_model gives them
+    # (bf16_rows for bf16 linears and attention on the CPU), so the copy runs the same kernels on the same
+    # layouts as the model it was saved from: equal outputs
+    return prepare_for_device(model.eval().requires_grad_(False))
 
 
 def load_quantized_model(path: str, device: str = "cpu", kernel: str | None = None) -> LoadedModel:
