@@ -163,6 +163,8 @@ def test_attention_refuses_what_it_cannot_run():
     q, k, v = _attention_case(4, 2, 64, 2, 8)
     with pytest.raises(RuntimeError, match="1 positions for 2 rows"):
         bf16_rows.attend(q, k, v, torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="a negative position"):
+        bf16_rows.attend(q, k, v, torch.tensor([3, -1]))
 
 
 def test_bind_lets_a_bf16_cpu_models_attention_run_the_kernel(monkeypatch):

@@ -135,7 +135,7 @@ at::Tensor bf16_rows_mm(const at::Tensor& x_in, const at::Tensor& w, const c10::
 }
 
 #if PB_BF16
-// e^x for x <= 0 (lanes of -inf give 0): n = round(x / ln 2), r = x - n ln 2, e^r by Cephes' expf
+// e^x for x <= 0: n = round(x / ln 2), r = x - n ln 2, e^r by Cephes' expf
 // polynomial, scaled by 2^n (vscalefps). A few ulp; the same bits for the same x wherever it runs.
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 underflows to 0 after scaling
@@ -185,7 +185,8 @@ void attend_row(const uint16_t* const* q, const uint16_t* k, const uint16_t* v, 
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < Lp; j += 16) {
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sh + j), top));
+      __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sh + j), top));
+      if (j + 16 > L) e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << (L - j)) - 1), e);  // 0 past L
       _mm512_storeu_ps(sh + j, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -268,9 +269,11 @@ at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const a
   const at::Tensor q = q_in.contiguous();
   const at::Tensor pos = pos_in.to(at::kLong).contiguous();
   TORCH_CHECK(pos.numel() == M, "bf16_rows.attend: ", pos.numel(), " positions for ", M, " rows");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(pp, pp + M, [](int64_t p) { return p >= 0; }), "bf16_rows.attend: a negative position");
   at::Tensor y = at::empty({1, H, M, D}, q.options());
 #if PB_BF16
-  attend_dispatch<8>(static_cast<int>(H / G), q, k, v, pos.data_ptr<int64_t>(), y, 1.f / std::sqrt(float(D)));
+  attend_dispatch<8>(static_cast<int>(H / G), q, k, v, pp, y, 1.f / std::sqrt(float(D)));
 #endif
   return y;
 }
