@@ -90,9 +90,8 @@ def bind(model: nn.Module, kernel: str | None = None) -> int:
     are marked. Values are unchanged."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     attentions = [m for m in model.modules() if hasattr(m, ATTEND)]
-    bf16 = any(map(_fits, linears)) or any(t.dtype == torch.bfloat16 and t.device.type == "cpu"
-                                           for t in model.parameters())  # a quantized copy: its norms
-    ok = bf16 and (kernel or choice()) == "bf16_rows" and status()[0]
+    bf16 = any(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in model.parameters())  # linears or,
+    ok = bf16 and (kernel or choice()) == "bf16_rows" and status()[0]  # in a quantized copy, the norms
     for mod in linears:
         setattr(mod, MARK, ok and _fits(mod))
     for mod in attentions:

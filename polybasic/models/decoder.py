@@ -135,13 +135,13 @@ class Transformer(nn.Module):
         chunk, each reading one row's logits. Writes garbage to cache rows the next generation overwrites;
         needs setup_caches first."""
         steps = self._static
+        # (size, last_only): every size with all rows' logits (size 1 has one row), or with decode the one-token
+        # step alone; then the prefill chunk reading one row's
+        calls = [(1, True)] if decode else [(size, False) for size in steps.sizes]
+        calls.append((steps.largest, True))
         for _ in range(steps.warm_runs):
-            for size in (1, steps.largest) if decode else steps.sizes:
-                tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
-                if not decode:
-                    self(tokens, 0)  # one row's logits for size 1, all rows' for the others
-                if size == steps.largest or decode:
-                    self(tokens, 0, last_only=True)
+            for size, last_only in calls:
+                self(torch.zeros(1, size, dtype=torch.long, device=self.device), 0, last_only=last_only)
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
                 key_mask: Tensor | None = None, tail: int | None = None) -> tuple[Tensor, Tensor]:

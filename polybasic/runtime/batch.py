@@ -14,7 +14,7 @@ import torch
 
 from polybasic.config import SamplingConfig
 from polybasic.models.decoder import Transformer
-from polybasic.runtime.generate import check_request
+from polybasic.runtime.generate import check_request, pick_token
 from polybasic.runtime.sampling import probs_from_logits, sample
 
 COMPACT_SHARE = 0.25  # drop finished rows once they are this share of the rows still in the batch
@@ -56,7 +56,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=dev)
     pos = width
     for step in range(budget):
-        nxt = logits.argmax(-1) if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
+        nxt = pick_token(logits, sampling, generator)  # [B']
         tokens[:, pos] = torch.where(done, tokens[:, pos], nxt)  # [B']
         out_tokens[rows, pos] = tokens[:, pos]
         n_new[rows] += (~done).long()

@@ -20,8 +20,8 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
     lengths: the longest sequence of each request to come (e.g. a benchmark's prompts plus their token
     budget); their caches' size classes are warmed too (Transformer.setup_caches; on CUDA the caches only
     grow, so only the largest class), so that no request compiles. decode: a lone model for plain decoding,
-    which runs two steps only (Transformer.warm_steps). gguf: the file the target's fp32 weights were expanded from (its steps of up to
-    gguf_codes.CODED_ROWS tokens read the block codes). Returns the seconds it took
+    which runs two steps only (Transformer.warm_steps). gguf: the file the target's fp32 weights were
+    expanded from (its steps of up to gguf_codes.CODED_ROWS tokens read the block codes). Returns the seconds it took
     (compiling, or loading compiled steps from inductor's cache). Model-free levels are left as they are."""
     t0 = time.perf_counter()
     models = []

@@ -93,8 +93,9 @@ def generate_tokens(model: Transformer, prompt_ids: list[int], max_new_tokens: i
 
 
 def pick_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
-    """logits [V] -> the next token [] on their device: the argmax, or a draw from the processed distribution."""
-    return logits.argmax() if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
+    """logits [..., V] -> the next tokens [...] on their device: the argmax, or a draw from the processed
+    distribution."""
+    return logits.argmax(-1) if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
 
 
 class HostValue:
