@@ -15,7 +15,6 @@ import torch
 from polybasic.config import SamplingConfig
 from polybasic.models.decoder import Transformer
 from polybasic.runtime.generate import check_request, pick_token
-from polybasic.runtime.sampling import probs_from_logits, sample
 
 COMPACT_SHARE = 0.25  # drop finished rows once they are this share of the rows still in the batch
 
