@@ -44,7 +44,7 @@ def test_kernel_equals_its_float64_reference_on_every_path(n, k):
     o = -8 * s + torch.randn(n, k // 32, generator=g) * 1e-3
     tiles = w4a8.pack(u, s, o)
     paths = [True] + ([False] if ops.vnni() else [])  # the plain loops on any CPU, VNNI where the CPU has it
-    for m in (1, 2, 3, 4, 5, 9):  # 4-row blocks and their remainders
+    for m in (1, 2, 3, 4, 5, 8, 9, 17):  # blocks of up to 8 rows and their remainders
         x = torch.randn(m, k, generator=g)
         x[0, :32] = 0  # an all-zero activation group (its scale is 0)
         ref, mags = reference(x, u, s, o)

@@ -100,7 +100,7 @@ __m512 int8_to_ps(const uint8_t* p) {  // 16 int8 -> 16 fp32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// MB activation rows at once: a group's 8 unpacked code registers serve every row.
+// MB activation rows at once (up to MB_MAX): a group's 8 unpacked code registers serve every row.
 template <int MB, typename T>
 void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                 int64_t N, int64_t K, int64_t t0, int64_t t1) {
@@ -144,6 +144,18 @@ void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float*
     }
   }
 }
+
+// tiles_vnni<mb> for mb in 1..MB_MAX: a copy's verification of up to 8 rows reads the weights once
+// (8 accumulators, 8 code registers and the scale terms fit AVX-512's 32 registers)
+constexpr int MB_MAX = 8;
+template <typename T, int MB = 1>
+void rows_dispatch(int mb, const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
+                   int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  if constexpr (MB < MB_MAX) {
+    if (mb != MB) return rows_dispatch<T, MB + 1>(mb, w, xq, a, xsum, y, N, K, t0, t1);
+  }
+  tiles_vnni<MB, T>(w, xq, a, xsum, y, N, K, t0, t1);
+}
 #endif
 
 template <typename T>
@@ -159,11 +171,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y, bool plai
   at::parallel_for(0, nt, 4, [&](int64_t t0, int64_t t1) {  // needs -fopenmp, or it runs on one thread
 #if PB_VNNI
     if (!plain) {
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t mb = std::min<int64_t>(4, M - m);
-        auto go = [&](auto kernel) { kernel(w, q + m * K, ap + m * ng, sp + m * ng, yp + m * N, N, K, t0, t1); };
-        if (mb == 1) go(tiles_vnni<1, T>); else if (mb == 2) go(tiles_vnni<2, T>);
-        else if (mb == 3) go(tiles_vnni<3, T>); else go(tiles_vnni<4, T>);
+      for (int64_t m = 0; m < M; m += MB_MAX) {
+        const int64_t mb = std::min<int64_t>(MB_MAX, M - m);
+        rows_dispatch<T>(static_cast<int>(mb), w, q + m * K, ap + m * ng, sp + m * ng, yp + m * N, N, K, t0, t1);
       }
       return;
     }
