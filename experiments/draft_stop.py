@@ -5,7 +5,8 @@ Spec-Bench), with the levels below the target compiled once and the target eager
         --chain runs/qwen-p31/model.safetensors --configs 8:0/16:0.5/24:0.6 --vanilla
 
 A config is K:CONFIDENCE[:THRESHOLD,...] (Chain's k, draft_confidence and thresholds), configs separated
-by "/". Prints tokens/s per config over the prompts (greedy, 128 new tokens each, prefill included), with
+by "/". Several chains compare side by side: repeat --chain, each followed by its own --configs (levels that
+two chains share are loaded once). Prints tokens/s per config over the prompts (greedy, 128 new tokens each, prefill included), with
 tau and each level's forwards, tokens fed and seconds, and checks that every config's tokens are the
 target's (vanilla's, when --vanilla runs it).
 """
@@ -38,23 +39,29 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--chain", required=True, help="the levels below the target (polybasic generate --chain)")
-    p.add_argument("--configs", required=True, help="K:CONFIDENCE[:THRESHOLDS] separated by '/'; e.g. 8:0/16:0.5")
+    p.add_argument("--chain", required=True, action="append",
+                   help="the levels below the target (polybasic generate --chain); repeat to compare chains")
+    p.add_argument("--configs", required=True, action="append",
+                   help="K:CONFIDENCE[:THRESHOLDS] separated by '/'; e.g. 8:0/16:0.5 (one --configs per --chain)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--sizes", default="1,2,4,64", help="step sizes the levels below the target compile")
     p.add_argument("--eager", action="store_true", help="do not compile the levels below the target")
     p.add_argument("--vanilla", action="store_true", help="time plain decoding of the target too")
     a = p.parse_args(argv)
-    configs = [parse_config(c) for c in a.configs.split("/")]
+    if len(a.configs) != len(a.chain):
+        p.error(f"{len(a.chain)} --chain but {len(a.configs)} --configs: give each chain its own --configs")
     lm = load_any_model(a.model, a.dtype, "cpu")
     eos = eos_ids(lm.tokenizer)
     prompts = [encode_prompt(lm.tokenizer, text) for text in PROMPTS]
-    levels = parse_chain(a.chain, lm)
+    shared: dict = {}  # levels built once for every chain that names them
+    chains = {spec: parse_chain(spec, lm, cache=shared) for spec in a.chain}
+    configs = [(spec, *parse_config(c)) for spec, cs in zip(a.chain, a.configs) for c in cs.split("/")]
     if not a.eager:
         longest = max(len(x) for x in prompts) + a.tokens + 1
-        print(f"compiled in {compile_levels(levels[1:], longest, None, [int(s) for s in a.sizes.split(',')]):.1f} s")
-    for k, conf, th in configs:  # untimed: a first call of a shape (oneDNN primitives, dynamo guards) is slower
-        Chain(levels, k=k, thresholds=th, eos=eos, draft_confidence=conf).generate(prompts[0], 16)
+        below = list({id(lv): lv for levels in chains.values() for lv in levels[1:]}.values())
+        print(f"compiled in {compile_levels(below, longest, None, [int(s) for s in a.sizes.split(',')]):.1f} s")
+    for spec, k, conf, th in configs:  # untimed: a first call of a shape (oneDNN primitives, dynamo guards) is slower
+        Chain(chains[spec], k=k, thresholds=th, eos=eos, draft_confidence=conf).generate(prompts[0], 16)
     rows = {}
     for x in prompts:  # configs interleaved per prompt: drifts of the machine hit all alike
         ref = None
@@ -62,15 +69,17 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             ref = list(generate_tokens(lm.model, x, a.tokens, eos=eos))
             rows.setdefault("vanilla", []).append((len(ref), time.perf_counter() - t0, len(ref), {}))
-        for k, conf, th in configs:
-            chain = Chain(levels, k=k, thresholds=th, eos=eos, draft_confidence=conf)
+        for spec, k, conf, th in configs:
+            chain = Chain(chains[spec], k=k, thresholds=th, eos=eos, draft_confidence=conf)
             t0 = time.perf_counter()
             out, st = chain.generate(x, a.tokens)
             dt = time.perf_counter() - t0
             assert ref is None or out == ref, f"k={k} confidence={conf}: tokens differ from vanilla's"
             forwards = {lv["name"]: (lv["forwards"], lv["tokens_fed"], lv["time_s"]) for lv in st.levels}
-            rows.setdefault(f"k={k} confidence={conf} thresholds={th}", []).append((len(out), dt, st.target_forwards, forwards))
-    print(f"\n{len(prompts)} prompts, {a.tokens} new tokens, greedy; target {a.model} {a.dtype}, chain {a.chain}")
+            name = f"k={k} confidence={conf} thresholds={th}" + (f" {spec}" if len(chains) > 1 else "")
+            rows.setdefault(name, []).append((len(out), dt, st.target_forwards, forwards))
+    print(f"\n{len(prompts)} prompts, {a.tokens} new tokens, greedy; target {a.model} {a.dtype}, "
+          f"chain{'s' if len(chains) > 1 else ''} {', '.join(a.chain)}")
     print("| config | tokens/s | tau | per level: forwards, tokens fed, seconds |\n|---|---|---|---|")
     for name, r in rows.items():
         n, dt, tf = sum(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r)
