@@ -369,16 +369,10 @@ class QuantizeSection:
     latency_context: int = 128  # tokens of context prefilled before each timed forward (latency table)
     latency_reps: int = 15  # 0: no latency table (it holds fp32, bf16 and int8 copies: ~7x the fp32 model in memory)
     siblings: list[str] = field(default_factory=list)  # other model sources (same tokenizer) quantized alike
-    draft_vocab_size: int = 0  # > 0: the saved copy's LM head keeps the N most frequent tokens of the calibration
-    # records (and the special tokens) only: a cheaper drafting level that never proposes another token
 
     def __post_init__(self) -> None:
         f = "quantize."
         self.data.check_not_benchmark(f + "data")
-        n = self.draft_vocab_size
-        check(isinstance(n, int) and n >= 0 and n % 16 == 0, f + "draft_vocab_size",
-              f"must be 0 or a positive multiple of 16, got {n!r}",
-              "use 0 (the full vocabulary) or e.g. 32768 (the 4-bit kernels take rows in tiles of 16)")
         for i, s in enumerate(self.schemes):
             parse_scheme(s, self.calib.group_size, f"{f}schemes[{i}]")
         for i, m in enumerate(self.methods):

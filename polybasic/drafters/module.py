@@ -36,8 +36,7 @@ from polybasic.artifacts import announce, fault_point, torch_save
 from polybasic.config import TrainConfig
 from polybasic.drafters.data import EpochSampler, collate
 from polybasic.errors import ConfigError, check
-from polybasic.models.eagle_head import DrafterConfig, EagleHead, make_head, save_head
-from polybasic.models.vocab import frequent_tokens
+from polybasic.models.eagle_head import DrafterConfig, EagleHead, frequent_tokens, make_head, save_head
 from polybasic.runtime.context import ExecutionContext
 
 
@@ -51,7 +50,7 @@ class DistillModule(L.LightningModule):
         self.head = make_head(head_cfg)
         if head_cfg.draft_vocab_size:
             check(draft_vocab is not None, "draft_vocab", "is required with draft_vocab_size > 0",
-                  "pass frequent_tokens(answers, n, vocab_size)")
+                  "pass frequent_tokens(samples, n, vocab_size)")
             self.head.set_draft_vocab(draft_vocab)
         object.__setattr__(self, "base", base.requires_grad_(False).eval())
         self.head.init_output_from_base(base).bind(base)
@@ -350,8 +349,7 @@ def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str |
     trainer = build_trainer(cfg, out_dir, ctx, **trainer_overrides)
     d2t = None
     if head_cfg.draft_vocab_size:
-        d2t = frequent_tokens((s.tokens[s.n_prompt:] for s in dataset.samples), head_cfg.draft_vocab_size,
-                              head_cfg.vocab_size)
+        d2t = frequent_tokens(dataset.samples, head_cfg.draft_vocab_size, head_cfg.vocab_size)
     module = DistillModule(base, head_cfg, cfg, d2t)
     last = Path(out_dir) / "checkpoints" / "last.ckpt"
     loader = train_dataloader(dataset, cfg)

@@ -21,7 +21,6 @@ from polybasic.models.blocks import KVCache, RMSNorm, rope_tables
 from polybasic.models.families import block_for, family_for
 from polybasic.models.gguf_codes import attach_codes, project
 from polybasic.models.static import StaticSteps, pad_rows, positions
-from polybasic.models.vocab import check_draft_ids, widen
 
 
 class Transformer(nn.Module):
@@ -34,24 +33,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(block_for(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # a drafting level's reduced vocabulary (set_draft_vocab): the LM head's rows are these token ids [N]
-        self.register_buffer("draft_ids", None)
         self.tie_weights()
         self.max_seq_len = 0
         self._static: StaticSteps | None = None  # see compile_steps
         self.feature_layers: tuple[int, ...] = ()  # see use_feature_layers
 
     def tie_weights(self) -> None:
-        if self.args.tie_embeddings and self.draft_ids is None:
+        if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-
-    def set_draft_vocab(self, head: nn.Module, ids: Tensor) -> None:
-        """Draft over the tokens `ids` [N] only: `head` maps [..., E] to their logits [..., N] (the LM head's
-        rows ids). The model's logits stay [..., V], -inf outside ids: a drafting level that reads less of
-        its LM head (Qwen2.5's 151,936 rows are ~15% of its W4 copy's bytes) and never proposes a token
-        outside ids. The level above verifies every draft, so a chain's output distribution is unchanged."""
-        check_draft_ids(ids, self.args.vocab_size)
-        self.output, self.draft_ids = head, ids.to(torch.long)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -225,7 +214,7 @@ class Transformer(nn.Module):
             x = x.index_select(1, rows)
         elif rows is not None and rows < x.shape[1]:
             x = x[:, -rows:]
-        return widen(project(self.output, self.norm(x)), self.draft_ids, self.args.vocab_size), hidden
+        return project(self.output, self.norm(x)), hidden
 
 
 def hf_to_lean_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:

@@ -263,10 +263,6 @@ class EagleHead(nn.Module):
         if base.args.vocab_size != self.cfg.vocab_size:
             raise ConfigError(f"drafter: head vocabulary {self.cfg.vocab_size} does not match the base "
                               f"model's {base.args.vocab_size}; use a drafter trained on this base model")
-        if getattr(base, "draft_ids", None) is not None:
-            raise ConfigError("drafter: the base model's LM head keeps a draft vocabulary only (a copy quantized "
-                              "with quantize.draft_vocab_size), which the head reads; put the head on the target "
-                              "or on a copy quantized with draft_vocab_size: 0")
         base.use_feature_layers(self.cfg.feature_layers)
         object.__setattr__(self, "base", base)
         return self
@@ -534,6 +530,15 @@ HEADS = {cls.ARCH: cls for cls in (EagleHead, Eagle3Head)}
 def make_head(cfg: DrafterConfig) -> EagleHead:
     """A new head of cfg.arch."""
     return HEADS[cfg.arch](cfg)
+
+
+def frequent_tokens(samples, n: int, vocab_size: int) -> Tensor:
+    """The n most frequent answer tokens of self-distilled samples [n] (ties and the remainder by id)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s.tokens[s.n_prompt:], dtype=torch.long), minlength=vocab_size)
+    order = torch.argsort(-counts * vocab_size + torch.arange(vocab_size))  # stable: by count desc, id asc
+    return order[:n].sort().values
 
 
 def save_head(path: str | Path, head: EagleHead, extra: dict | None = None) -> None:

@@ -32,12 +32,10 @@ from polybasic.models import load_model
 from polybasic.models.decoder import use_decode_layout
 from polybasic.models.loader import parse_dtype
 from polybasic.models.preflight import check_source
-from polybasic.models.vocab import frequent_tokens
 from polybasic.quant import QuantConfig, quantize_
-from polybasic.quant.api import save_quantized, trim_lm_head
+from polybasic.quant.api import save_quantized
 from polybasic.quant.calibrate import build_quantized_model, calibrate
 from polybasic.quant.from_gguf import GGUFCodes
-from polybasic.runtime.text import eos_ids
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +157,6 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
     if eval_tok.shape[0] == 0:
         raise ConfigError("quantize.eval_seq_len: held-out text is shorter than one window; lower it")
     codes = gguf_codes(lm, recipe) if "gguf" in {*q.methods, cal.method} else None
-    draft_ids = draft_vocabulary(lm, records[:-q.holdout], q.draft_vocab_size) if q.draft_vocab_size else None
     fp_ppl, _, fp_argmax = evaluate(fp, eval_tok)
     data_fp = _fingerprint(recipe.model.source, q.data, q.holdout, cal.seq_len, cal.n_samples)
     cells = [(s, m) for s in q.schemes for m in q.methods]
@@ -202,23 +199,12 @@ def run_quantize(recipe: Recipe, out: Path, progress: bool = True, lm=None) -> d
         rows[key] = row
         log.info("w%da%d-g%d %s: ppl %.3f agree %.4f", w, a, g, method, row["ppl"], row["top1_agree"])
         if is_main:
-            report = {**base, **_save_and_time(fp, res, recipe, out, row, eval_tok, fp_argmax, codes, draft_ids)}
+            report = {**base, **_save_and_time(fp, res, recipe, out, row, eval_tok, fp_argmax, codes)}
         report.update(rows=[rows[k] for k in keys if k in rows], done_cells=f"{len(rows)}/{len(set(keys) | {main_key})}",
                       wall_s=round(time.perf_counter() - t_start, 1))
         write_text(out / "report.json", json.dumps(report, indent=2))
         write_text(out / "report.md", render_report(report))
     return report
-
-
-def draft_vocabulary(lm, records: list[Example], n: int) -> torch.Tensor:
-    """quantize.draft_vocab_size: the n most frequent tokens of the calibration records (through the chat
-    template, so its tokens count), the tokenizer's special tokens and EOS ids always among them [n]."""
-    vocab = lm.args.vocab_size
-    if n > vocab:
-        raise ConfigError(f"quantize.draft_vocab_size: {n} exceeds the vocabulary of {lm.name} "
-                          f"({vocab} tokens); use a smaller multiple of 16, or 0 for the full vocabulary")
-    always = {*lm.tokenizer.all_special_ids, *eos_ids(lm.tokenizer)}
-    return frequent_tokens((record_tokens(lm.tokenizer, r) for r in records), n, vocab, always)
 
 
 def gguf_codes(lm, recipe: Recipe):
@@ -241,24 +227,17 @@ def _ranges(idx: list[int]) -> str:
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
-def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_argmax, codes=None,
-                   draft_ids: torch.Tensor | None = None) -> dict:
-    """Save the recipe's model with its execution kernel (its LM head trimmed to draft_ids [N], if given);
-    evaluate it as deployed (before the trim: perplexity needs every token); time it against fp32 / bf16
-    (cached)."""
+def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_argmax, codes=None) -> dict:
+    """Save the recipe's model with its execution kernel; evaluate it as deployed; time it against
+    fp32 / bf16 (cached)."""
     import copy
     from dataclasses import replace
 
     q, cal = recipe.quantize, recipe.quantize.calib
     qconf = replace(cal.quant_config(q.kernel), quantize_lm_head=q.quantize_lm_head)
     main = build_quantized_model(fp, res, qconf, parse_dtype(q.exec_dtype), codes=codes)
-    dep_ppl, dep_agree, _ = evaluate(main, eval_tok, fp_argmax)
-    vocab = None
-    if draft_ids is not None:
-        trim_lm_head(main, draft_ids, qconf)
-        covered = torch.isin(eval_tok, draft_ids).float().mean()  # held-out tokens the copy can still draft
-        vocab = {"size": len(draft_ids), "eval_coverage": round(float(covered), 4)}
     save_quantized(main, out / "model.safetensors", qconf, recipe.model.source)
+    dep_ppl, dep_agree, _ = evaluate(main, eval_tok, fp_argmax)
     cached = out / "work" / f"latency-{_fingerprint(to_dict(recipe))}.json"
     if not q.latency_reps:
         lat = None
@@ -277,7 +256,6 @@ def _save_and_time(fp, res, recipe: Recipe, out: Path, row: dict, eval_tok, fp_a
         write_text(cached, json.dumps(lat))
     return {"latency_ms": lat, "main": {"scheme": qconf.name, "method": cal.method, "kernel": q.kernel,
                                         "dtype": q.exec_dtype, "lm_head_quantized": q.quantize_lm_head,
-                                        "draft_vocab": vocab,
                                         "ppl": row["ppl"], "top1_agree": row["top1_agree"],
                                         "deployed_ppl": dep_ppl, "deployed_top1_agree": dep_agree,
                                         "gguf_code_fraction": None if codes is None else round(codes.exact_fraction, 4)}}
@@ -313,7 +291,7 @@ def render_report(r: dict) -> str:
         lines += ["", f"Recipe model: {m['method']} {m['scheme']}, kernel {m['kernel']} in {m['dtype']}, LM head "
                       f"{'quantized too' if m.get('lm_head_quantized') else 'kept in ' + m['dtype']}: "
                       f"deployed perplexity {m['deployed_ppl']:.3f}, top-1 agreement {m['deployed_top1_agree']:.4f}. "
-                      f"{_codes_note(m)}{_vocab_note(m)}No latency table (quantize.latency_reps: 0).",
+                      f"{_codes_note(m)}No latency table (quantize.latency_reps: 0).",
                   "", "## The shipped model", "", r["gguf_note"], "",
                   f"Cells done: {r['done_cells']}. Wall time of the stage so far: {r['wall_s']} s."]
         return "\n".join(lines) + "\n"
@@ -333,21 +311,12 @@ def render_report(r: dict) -> str:
                   f"quantized by this kernel), LM head "
                   f"{'quantized too' if m.get('lm_head_quantized') else 'kept in ' + m['dtype']}. "
                   f"As deployed it scores perplexity {m['deployed_ppl']:.3f} and top-1 agreement "
-                  f"{m['deployed_top1_agree']:.4f} on the held-out text. {_codes_note(m)}{_vocab_note(m)}"
-                  f"Decode step (M={ks[0]}) = "
+                  f"{m['deployed_top1_agree']:.4f} on the held-out text. {_codes_note(m)}Decode step (M={ks[0]}) = "
                   f"{ratio:.2f}x the fp32 step: {'<= 0.5x' if ratio <= 0.5 else 'NOT <= 0.5x'}.",
               *_int8mm_verdict(lat, ks[0], f1),
               "", "## The shipped model is already 4-bit", "", r["gguf_note"], "",
               f"Cells done: {r['done_cells']}. Wall time of the stage so far: {r['wall_s']} s."]
     return "\n".join(lines) + "\n"
-
-
-def _vocab_note(m: dict) -> str:
-    """quantize.draft_vocab_size: the saved head's rows and how much of the held-out text they cover."""
-    v = m.get("draft_vocab")
-    return "" if not v else (f"The saved copy drafts over {v['size']} tokens only (quantize.draft_vocab_size; "
-                             f"{100 * v['eval_coverage']:.2f}% of the held-out tokens among them; the scores above "
-                             "are of the full LM head). ")
 
 
 def _codes_note(m: dict) -> str:

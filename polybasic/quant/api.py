@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from polybasic.artifacts import save_safetensors
 from polybasic.config import QuantConfig
@@ -22,7 +22,6 @@ from polybasic.models.decoder import Transformer
 from polybasic.models.loader import LoadedModel, folder_and_args, load_model, load_tokenizer
 from polybasic.models.preflight import FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors, safetensors_metadata
 from polybasic.models.prepare import prepare_for_device
-from polybasic.models.vocab import check_draft_ids
 from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
 
 FORMAT = QUANT_FORMAT
@@ -83,24 +82,6 @@ def _swap(model: nn.Module, config: QuantConfig, plan: dict[str, str], device=No
     return model
 
 
-def trim_lm_head(model: Transformer, ids: Tensor, config: QuantConfig | None = None) -> Transformer:
-    """The model drafts over the tokens `ids` [N] only (Transformer.set_draft_vocab): its LM head keeps those
-    rows, float or quantized (config: the head's QuantConfig). save_quantized records the vocabulary."""
-    head, ids = model.output, ids.to(torch.long).sort().values
-    check_draft_ids(ids, model.args.vocab_size)
-    if isinstance(head, QuantLinear):
-        if config is None:
-            raise ConfigError("trim_lm_head: the LM head is quantized; pass its QuantConfig")
-        bias = head.bias is not None
-        new = type(head)(head.in_features, len(ids), config, bias, head.bias.dtype if bias else torch.float32,
-                         head.qweight.device, LM_HEAD)
-    else:
-        new = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device, head.weight.dtype)
-    new.load_state_dict({k: v.index_select(0, ids.to(v.device)).clone() for k, v in head.state_dict().items()})
-    model.set_draft_vocab(new.requires_grad_(False), ids.to(model.device))
-    return model
-
-
 def quantized_modules(model: nn.Module) -> dict[str, str]:
     """{module name: kernel} of every quantized linear in model."""
     return {fqn: m.kernel for fqn, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -123,8 +104,6 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, config: QuantConfi
     meta = {"format": FORMAT, "quant_config": json.dumps(config.to_dict()), "dtype": str(dtype),
             "modules": json.dumps(quantized_modules(model)), "aliases": json.dumps(aliases),
             "source": source}
-    if getattr(model, "draft_ids", None) is not None:  # trim_lm_head: the head's rows are these tokens
-        meta["draft_vocab_size"] = str(len(model.draft_ids))
     save_safetensors(path, tensors, meta)
     return path
 
@@ -143,13 +122,11 @@ def quant_header(path: str | os.PathLike) -> dict[str, str]:
 
 
 def read_quant_metadata(path: str | os.PathLike
-                        ) -> tuple[QuantConfig, dict[str, str], dict[str, str], torch.dtype, int]:
-    """(config, {module: kernel at save time}, {alias: stored name}, model dtype, draft vocabulary size (0:
-    the full vocabulary, see trim_lm_head)) from the header."""
+                        ) -> tuple[QuantConfig, dict[str, str], dict[str, str], torch.dtype]:
+    """(config, {module: kernel at save time}, {alias: stored name}, model dtype) from the header."""
     meta = quant_header(path)
     return (QuantConfig.from_dict(json.loads(meta["quant_config"])), json.loads(meta["modules"]),
-            json.loads(meta["aliases"]), getattr(torch, meta.get("dtype", "torch.float32").split(".")[-1]),
-            int(meta.get("draft_vocab_size", 0)))
+            json.loads(meta["aliases"]), getattr(torch, meta.get("dtype", "torch.float32").split(".")[-1]))
 
 
 def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.Module],
@@ -163,14 +140,11 @@ def load_quantized(path: str | os.PathLike, base_model_builder: Callable[[], nn.
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config, modules, aliases, dtype, draft_vocab = read_quant_metadata(path)
+    config, modules, aliases, dtype = read_quant_metadata(path)
     if kernel is not None:
         config = replace(config, kernel=kernel)  # re-validated by __post_init__
     with torch.device("meta"):
         model = base_model_builder()
-        if draft_vocab:  # an LM head of the draft vocabulary's rows (trim_lm_head), filled by the load below
-            model.set_draft_vocab(nn.Linear(model.args.dim, draft_vocab, bias=False),
-                                  torch.empty(draft_vocab, dtype=torch.long))
     if kernel is None:  # the kernels recorded at save time
         plan = modules
     else:

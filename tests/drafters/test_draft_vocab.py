@@ -4,11 +4,10 @@ import pytest
 import torch
 
 from polybasic.config import SamplingConfig, TrainConfig
-from polybasic.drafters.data import DistillDataset
+from polybasic.drafters.data import DistillDataset, Sample
 from polybasic.drafters.module import fit
 from polybasic.errors import ConfigError
-from polybasic.models.eagle_head import DrafterConfig, EagleHead, load_head
-from polybasic.models.vocab import frequent_tokens
+from polybasic.models.eagle_head import DrafterConfig, EagleHead, frequent_tokens, load_head
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.generate import generate_tokens
@@ -27,11 +26,9 @@ def reduced_head(model, n, seed=0):
 
 
 def test_frequent_tokens():
-    answers = [[3, 3, 3, 5], [5, 5]]
-    assert frequent_tokens(answers, 2, 10).tolist() == [3, 5]
-    assert frequent_tokens(answers, 4, 10).tolist() == [0, 1, 3, 5]  # remainder by id
-    assert frequent_tokens(answers, 2, 10, always=[9]).tolist() == [3, 9]  # e.g. EOS, however rare
-    assert frequent_tokens(answers, 3, 10, always=[9, 7]).tolist() == [3, 7, 9]
+    samples = [Sample([9, 9, 3, 3, 3, 5], 2), Sample([1, 5, 5], 1)]
+    assert frequent_tokens(samples, 2, 10).tolist() == [3, 5]
+    assert frequent_tokens(samples, 4, 10).tolist() == [0, 1, 3, 5]  # remainder by id
 
 
 def test_greedy_lossless_and_proposals_in_vocab():

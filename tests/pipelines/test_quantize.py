@@ -102,32 +102,6 @@ def test_quantized_lm_head_option(tmp_path):
     assert "LM head quantized too" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_draft_vocab_size_saves_a_copy_with_a_trimmed_head(tmp_path):
-    path = _recipe(tmp_path)
-    r = yaml.safe_load(path.read_text())
-    r["quantize"].update(quantize_lm_head=True, schemes=["w4a16"], methods=["rtn"], kernel="int4pack",
-                         calib={**r["quantize"]["calib"], "method": "rtn", "a_bits": 16}, draft_vocab_size=32)
-    path.write_text(yaml.safe_dump(r))
-    run_recipe(str(path), only=("quantize",))
-    from polybasic.models.loader import load_model
-    from polybasic.quant.api import load_quantized_model, read_quant_metadata
-    from polybasic.runtime.chain import Chain
-    from polybasic.runtime.generate import generate_tokens
-    from polybasic.runtime.levels import ModelLevel
-
-    out = tmp_path / "out"
-    assert read_quant_metadata(out / "model.safetensors")[4] == 32
-    main = json.loads((out / "report.json").read_text())["main"]
-    assert main["draft_vocab"]["size"] == 32 and 0.5 < main["draft_vocab"]["eval_coverage"] <= 1.0
-    assert "drafts over 32 tokens only" in (out / "report.md").read_text()
-    copy = load_quantized_model(str(out / "model.safetensors")).model
-    lm = load_model(str(tmp_path / "tiny"))
-    assert copy.output.out_features == 32 and set(lm.tokenizer.all_special_ids) <= set(copy.draft_ids.tolist())
-    prompt = lm.tokenizer.encode("w1 w2 w3 w4 w5 w6")
-    chain = Chain([ModelLevel(lm.model, "target"), ModelLevel(copy, "copy")], k=3)
-    assert chain.generate(prompt, 24)[0] == list(generate_tokens(lm.model, prompt, 24))
-
-
 def test_siblings_are_quantized_alike_and_become_chain_levels(tmp_path):
     """quantize.siblings: a smaller model with the target's tokenizer is quantized with the same
     settings into siblings/<name>/, the profile names it `quantized:<name>`, and a chain through it

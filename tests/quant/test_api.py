@@ -106,7 +106,7 @@ def test_save_load_round_trip_exact(base, tmp_path, config):
     if not config.quantize_lm_head:
         assert loaded.output.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()
     assert torch.equal(logits(loaded), ref)
-    cfg, mods, _, dtype, _ = read_quant_metadata(path)
+    cfg, mods, _, dtype = read_quant_metadata(path)
     assert dtype == torch.float32
     assert cfg == config and mods == quantized_modules(model)
 

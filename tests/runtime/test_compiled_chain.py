@@ -10,7 +10,7 @@ import torch
 
 from polybasic.config import QuantConfig, SamplingConfig
 from polybasic.models.eagle_head import DrafterConfig, make_head
-from polybasic.quant.api import quantize_, trim_lm_head
+from polybasic.quant.api import quantize_
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.compiled import compile_levels
 from polybasic.runtime.eagle_level import EagleLevel
@@ -47,20 +47,15 @@ def level_models(hf):
     q4 = quantize_(lean_from_hf(perturbed_copy(hf, 0.02, 1), torch.bfloat16),
                    QuantConfig(w_bits=4, a_bits=16, group_size=32, kernel="int4pack"))
     q8 = quantize_(lean_from_hf(hf), QuantConfig(w_bits=8, a_bits=8, group_size=-1, kernel="int8mm"))
-    qa8v = trim_lm_head(w4a8_copy(hf, lm_head=True), torch.arange(0, KW["vocab"], 2), W4A8_HEAD)  # 48 of 96 tokens
-    return {"target": target, "close": close, "far": far, "q4": q4, "q8": q8, "qa8": w4a8_copy(hf), "qa8v": qa8v}
+    return {"target": target, "close": close, "far": far, "q4": q4, "q8": q8, "qa8": w4a8_copy(hf)}
 
 
-W4A8_HEAD = QuantConfig(w_bits=4, group_size=32, kernel="w4a8", quantize_lm_head=True)
-
-
-def w4a8_copy(hf, lm_head: bool = False):
-    """A perturbed bf16 copy in the CPU kernel 'w4a8' (torch's int4 kernel where it cannot run, with a warning),
-    its LM head too with lm_head."""
+def w4a8_copy(hf):
+    """A perturbed bf16 copy in the CPU kernel 'w4a8' (torch's int4 kernel where it cannot run, with a warning)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return quantize_(lean_from_hf(perturbed_copy(hf, 0.02, 1), torch.bfloat16),
-                         QuantConfig(w_bits=4, group_size=32, kernel="w4a8", quantize_lm_head=lm_head))
+                         QuantConfig(w_bits=4, group_size=32, kernel="w4a8"))
 
 
 def build_levels(models, names):
@@ -81,7 +76,6 @@ CHAINS = {  # names below the target, top to bottom
     "dense-4": ["close", "far", "ngram"],
     "int4pack-3": ["q4", "ngram"],
     "w4a8-3": ["qa8", "ngram"],
-    "w4a8-draft-vocab-3": ["qa8v", "ngram"],  # the copy drafts over half the vocabulary (trim_lm_head)
     "int8mm-dense-3": ["q8", "far"],
     "eagle1-on-middle": ["close", "eagle1@close"],
     "eagle3-on-target": ["eagle3@target"],
@@ -188,8 +182,7 @@ def test_compiled_steps_match_eager_at_every_size_and_rollback(hf):
             torch.testing.assert_close(b1, a1, rtol=1e-4, atol=1e-4)
 
 
-SAMPLED = {"dense-3": ["mid", "small"], "eagle1": ["eagle1@target"], "w4a8-2": ["qa8"],
-           "draft-vocab-3": ["midv", "smallv"]}  # both levels over part of the vocabulary (trim_lm_head)
+SAMPLED = {"dense-3": ["mid", "small"], "eagle1": ["eagle1@target"], "w4a8-2": ["qa8"]}
 
 
 @pytest.mark.parametrize("name", list(SAMPLED))
@@ -197,8 +190,6 @@ def test_compiled_sampled_chain_matches_target(name):
     hf = tiny_hf_llama(seed=10, **DKW)
     models = {"target": lean_from_hf(hf), "mid": lean_from_hf(perturbed_copy(hf, 0.3, seed=11)),
               "small": lean_from_hf(tiny_hf_llama(seed=13, **{**DKW, "hidden": 16})), "qa8": w4a8_copy(hf)}
-    models["midv"] = trim_lm_head(copy.deepcopy(models["mid"]), torch.arange(0, V, 2))
-    models["smallv"] = trim_lm_head(copy.deepcopy(models["small"]), torch.arange(V // 2))
     levels = build_levels(models, SAMPLED[name])
     compile_levels(levels, 64, sizes=SIZES)
     sampling = SamplingConfig(temperature=1.0)
