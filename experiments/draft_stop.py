@@ -6,9 +6,9 @@ Spec-Bench), with the levels below the target compiled once and the target eager
 
 A config is K:CONFIDENCE[:THRESHOLD,...] (Chain's k, draft_confidence and thresholds), configs separated
 by "/". Several chains compare side by side: repeat --chain, each followed by its own --configs (levels that
-two chains share are loaded once). Prints tokens/s per config over the prompts (greedy, 128 new tokens each, prefill included), with
-tau and each level's forwards, tokens fed and seconds, and checks that every config's tokens are the
-target's (vanilla's, when --vanilla runs it).
+two chains share are loaded once). Prints tokens/s per config over the prompts (greedy, 128 new tokens each,
+prefill included), with tau and each level's forwards, tokens fed and seconds, and checks that every config's
+tokens are the target's (vanilla's, when --vanilla runs it).
 """
 from __future__ import annotations
 

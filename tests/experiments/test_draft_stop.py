@@ -13,7 +13,7 @@ def test_sweep_prints_every_config_and_matches_vanilla(tmp_path, capsys):
         assert row in table
 
 
-def test_two_chains_side_by_side_share_their_levels(tmp_path, capsys):
+def test_two_chains_side_by_side_each_with_its_configs(tmp_path, capsys):
     tiny_hf_folder(tmp_path / "tiny", vocab=64, hidden=64, heads=4, kv_heads=2, init_std=0.2)
     tiny = str(tmp_path / "tiny")
     two, three = f"{tiny}@bfloat16", f"{tiny}@bfloat16+ngram"
