@@ -74,9 +74,9 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             out, st = chain.generate(x, a.tokens)
             dt = time.perf_counter() - t0
-            assert ref is None or out == ref, f"k={k} confidence={conf}: tokens differ from vanilla's"
-            forwards = {lv["name"]: (lv["forwards"], lv["tokens_fed"], lv["time_s"]) for lv in st.levels}
             name = f"k={k} confidence={conf} thresholds={th}" + (f" {spec}" if len(chains) > 1 else "")
+            assert ref is None or out == ref, f"{name}: tokens differ from vanilla's"
+            forwards = {lv["name"]: (lv["forwards"], lv["tokens_fed"], lv["time_s"]) for lv in st.levels}
             rows.setdefault(name, []).append((len(out), dt, st.target_forwards, forwards))
     print(f"\n{len(prompts)} prompts, {a.tokens} new tokens, greedy; target {a.model} {a.dtype}, "
           f"chain{'s' if len(chains) > 1 else ''} {', '.join(a.chain)}")
