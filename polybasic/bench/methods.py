@@ -19,10 +19,11 @@ import torch
 
 from polybasic.config import SamplingConfig, check_dtype
 from polybasic.errors import ConfigError
-from polybasic.models import load_hf_model, load_model
+from polybasic.models import load_hf_model
 from polybasic.models.loader import LoadedModel
 from polybasic.models.preflight import check_source
 from polybasic.models.static import decode_sizes
+from polybasic.quant.api import load_any_model
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.chain_builder import build_chain, parse_chain
 from polybasic.runtime.compiled import compile_levels
@@ -174,7 +175,7 @@ def _target_in(ctx: BenchContext, dtype: str | None, method: str):
 
     if not ctx.source:
         raise ConfigError(f"methods: '{method}:{dtype}' loads the target again; pass --model")
-    return load_model(ctx.source, dtype, ctx.model.device).model
+    return load_any_model(ctx.source, dtype, ctx.model.device).model
 
 
 def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, method: str) -> Runner:

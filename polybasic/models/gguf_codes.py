@@ -78,13 +78,34 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F).reshape(n, 8, 32)
 
 
-def _k_scales(raw: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K super-block header -> (scale, minimum) [n, 8, 1] fp32 of its 8 sub-blocks."""
+def k_factors(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks [n, bytes] -> d, dmin [n, 1] fp32 (from f16) and the 6-bit sc, m [n, 8] uint8
+    of its 8 sub-blocks: value = d * sc * code - dmin * m."""
     from gguf.quants import Q4_K
 
-    sc, m = Q4_K.get_scale_min(scales)  # [n, 8] 6-bit each
-    d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])  # [n, 1]
+    sc, m = Q4_K.get_scale_min(raw[:, 4:16])  # [n, 8] 6-bit each
+    return _f16(raw[:, 0:2]), _f16(raw[:, 2:4]), sc, m
+
+
+def q4k_codes(raw: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks [n, 144] -> their codes [n, 8, 32] uint8 in [0, 15] (sub-blocks of 32)."""
+    return _k_nibbles(raw[:, 16:144])
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-block header -> (scale, minimum) [n, 8, 1] fp32 of its 8 sub-blocks."""
+    d, dmin, sc, m = k_factors(raw)
     return (d * sc.astype(np.float32))[..., None], -(dmin * m.astype(np.float32))[..., None]
+
+
+def q6k_factors(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [n, 210] (128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d) ->
+    codes [n, 16, 16] uint8 in [0, 63], d [n, 1] fp32 and sc [n, 16] int8: value = d * sc * (code - 32)."""
+    n = raw.shape[0]
+    ql = (raw[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F
+    qh = (raw[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
+    q = ql.reshape(n, 8, 32) | (qh.reshape(n, 8, 32) << 4)
+    return q.reshape(n, 16, 16), _f16(raw[:, 208:210]), raw[:, 192:208].copy().view(np.int8)
 
 
 def _blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -109,18 +130,15 @@ def _blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
         expand_dims = lambda a: None if a is None else a[:, None]  # noqa: E731  [blocks, 1, 1]
         return codes[:, None], expand_dims(scale), expand_dims(minimum)
     if kind == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-        scale, minimum = _k_scales(raw, raw[:, 4:16])
-        return _k_nibbles(raw[:, 16:144]), scale, minimum
+        scale, minimum = _k_scales(raw)
+        return q4k_codes(raw), scale, minimum
     if kind == "Q5_K":  # ... then 32 bytes of fifth bits (bit j of byte i: value i of sub-block j)
-        scale, minimum = _k_scales(raw, raw[:, 4:16])
+        scale, minimum = _k_scales(raw)
         qh = (raw[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, 8, 32]
         return _k_nibbles(raw[:, 48:176]) | (qh << 4), scale, minimum
-    if kind == "Q6_K":  # 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, f16 d
-        ql = (raw[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F
-        qh = (raw[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
-        q = (ql.reshape(n, 8, 32) | (qh.reshape(n, 8, 32) << 4)).astype(np.int8) - 32
-        scale = _f16(raw[:, 208:210]) * raw[:, 192:208].copy().view(np.int8).astype(np.float32)  # [n, 16]
-        return q.reshape(n, 16, 16), scale[..., None], None
+    if kind == "Q6_K":
+        q, d, sc = q6k_factors(raw)
+        return q.astype(np.int8) - 32, (d * sc.astype(np.float32))[..., None], None  # [n, 16, 16], [n, 16, 1]
     raise ValueError(f"GGUF block type {kind} has no code reader")
 
 

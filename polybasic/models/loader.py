@@ -24,7 +24,8 @@ from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError
 from polybasic.models.args import ModelArgs
 from polybasic.models.decoder import Transformer, build_model, hf_to_lean_state_dict
 from polybasic.models.families import args_from_hf_config
-from polybasic.models.preflight import check_gguf, corrupt_safetensors, fix_for_folder, fix_for_gguf, source_kind
+from polybasic.models.preflight import (check_gguf, corrupt_safetensors, fix_for_folder, fix_for_gguf, source_kind,
+                                        split_kernel)
 from polybasic.models.prepare import prepare_for_device
 from polybasic.models.registry import REGISTRY, cache_root, gguf_path
 
@@ -180,6 +181,9 @@ def load_model(source: str, dtype: str | torch.dtype = "float32", device: str | 
     if str(source).endswith(".safetensors"):
         raise ConfigError(f"model: {source} is a quantized copy; load it with "
                           "polybasic.quant.load_quantized_model (or polybasic.quant.load_any_model)")
+    if split_kernel(source)[1]:
+        raise ConfigError(f"model: {source} runs its GGUF's codes on a quantized kernel; load it with "
+                          "polybasic.quant.load_any_model")
     folder, args = folder_and_args(source)
     model = prepare_for_device(build_model(args, hf_to_lean_state_dict(read_state_dict(folder), args), dt, device))
     return LoadedModel(model, load_tokenizer(folder), args, source, folder)

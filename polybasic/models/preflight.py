@@ -127,9 +127,25 @@ def source_kind(source: str, field: str = "model") -> str:
     return "hub"
 
 
+CODES_KERNEL = "@w4a8"  # a source's suffix: its GGUF's own codes on the CPU kernel w4a8 (quant.gguf_w4a8)
+
+
+def split_kernel(source: str) -> tuple[str, bool]:
+    """'NAME@w4a8' -> ('NAME', True); any other source -> (source, False)."""
+    s = str(source)
+    return (s[:-len(CODES_KERNEL)], True) if s.endswith(CODES_KERNEL) else (s, False)
+
+
 def check_source(source: str, field: str = "model") -> str:
     """Classify a model source and check the files it names by their headers (no loading, no torch);
-    returns its kind (see source_kind). Errors start with `field`."""
+    returns its kind (see source_kind; a source ending in '@w4a8' has its base's). Errors start with `field`."""
+    base, coded = split_kernel(source)
+    if coded:
+        kind = check_source(base, field)
+        if kind not in ("registry", "gguf"):
+            raise ConfigError(f"{field}: '{source}': '{CODES_KERNEL}' runs a GGUF file's own codes, and {base} is a "
+                              f"{kind} source; name a .gguf file or a registry model, or drop '{CODES_KERNEL}'")
+        return kind
     kind = source_kind(source, field)
     p = Path(source).expanduser()
     try:

@@ -20,8 +20,10 @@ from polybasic.config import QuantConfig
 from polybasic.errors import ConfigError, ModelNotFoundError
 from polybasic.models.decoder import Transformer
 from polybasic.models.loader import LoadedModel, folder_and_args, load_model, load_tokenizer
-from polybasic.models.preflight import FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors, safetensors_metadata
+from polybasic.models.preflight import (CODES_KERNEL, FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors,
+                                        safetensors_metadata, split_kernel)
 from polybasic.models.prepare import prepare_for_device
+from polybasic.quant import gguf_w4a8
 from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
 
 FORMAT = QUANT_FORMAT
@@ -189,7 +191,20 @@ def load_quantized_model(path: str, device: str = "cpu", kernel: str | None = No
 
 def load_any_model(source: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
     """`models.load_model(source)`, or the quantized copy a `.safetensors` source names (which runs in
-    the dtype and kernels it was saved with)."""
+    the dtype and kernels it was saved with), or for 'NAME@w4a8' the model NAME whose linears run its GGUF's
+    own Q4_K/Q6_K codes on the CPU kernel w4a8 (quant.gguf_w4a8; the rest in `dtype`)."""
     if str(source).endswith(".safetensors"):
         return load_quantized_model(source, device)
-    return load_model(source, dtype, device)
+    base, coded = split_kernel(source)
+    if not coded:
+        return load_model(source, dtype, device)
+    gguf_w4a8.check(device)  # before loading anything
+    lm = load_model(base, dtype, device)
+    if lm.gguf_file is None:
+        raise ConfigError(f"model: '{source}': '{CODES_KERNEL}' runs a GGUF file's own codes, and {base} was not "
+                          f"loaded from one; drop '{CODES_KERNEL}'")
+    swapped, total = gguf_w4a8.bind(lm.model, lm.gguf_file)
+    if not swapped:
+        raise ConfigError(f"model: '{source}': none of its {total} linears is held as Q4_K/Q6_K codes in "
+                          f"{lm.gguf_file.name}; drop '{CODES_KERNEL}'")
+    return replace(lm, name=source)

@@ -1,7 +1,7 @@
-"""The CPU kernel 'w4a8': 4-bit weight codes x int8 activations (AVX-512 VNNI), built on first use.
+"""The CPU kernel 'w4a8': 4-bit (or 8-bit) weight codes x int8 activations (AVX-512 VNNI), built on first use.
 
 kernels/w4a8.cpp holds the arithmetic and the layout (see its header). models.native compiles it for this
-CPU on first use (cached), then it is loaded as torch.ops.polybasic_w4a8.{mm, vnni}. A fake (meta)
+CPU on first use (cached), then it is loaded as torch.ops.polybasic_w4a8.{gemm, vnni}. A fake (meta)
 implementation lets torch.compile trace through it. `status()` says once per process whether the fast
 path can run here, and why not; quant.linear.W4A8Linear falls back to torch's int4 kernel when it cannot.
 """
@@ -17,19 +17,20 @@ from torch import Tensor
 
 from polybasic.models.native import load_ops, usable
 
-# as in kernels/w4a8.cpp: columns per group, rows per tile, groups per super-block, bytes of a (tile,
-# super-block) header and of a (tile, group) block
+# as in kernels/w4a8.cpp: columns per group (4-bit codes), rows per tile, groups per super-block, bytes of a
+# (tile, super-block) header and of a (tile, group) block; 8-bit codes come in groups of 16, 16 to a super-block
 GROUP, TILE, SUPER, HEAD, BLOCK = 32, 16, 8, 64, 288
+GROUPS = {4: GROUP, 8: 16}  # code bits -> columns per group
 SOURCE = files("polybasic.quant") / "kernels" / "w4a8.cpp"
 
 
 def build(cache_dir: Path | None = None) -> Path:
     """Compile the kernel (once per source, torch version and CPU) and load its ops; returns the
     library's path. Raises RuntimeError naming the cause when no compiler is found or the build fails."""
-    return load_ops("w4a8", SOURCE, {"mm": _mm_fake}, cache_dir)
+    return load_ops("w4a8", SOURCE, {"gemm": _mm_fake}, cache_dir)
 
 
-def _mm_fake(x: Tensor, packed: Tensor, plain: bool = False) -> Tensor:
+def _mm_fake(x: Tensor, packed: Tensor, plain: bool = False, bits: int = 4) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)  # [M, N]
 
 
@@ -40,10 +41,10 @@ def status() -> tuple[bool, str]:
     return usable(build, lambda: torch.ops.polybasic_w4a8.vnni(), "this CPU has no AVX-512 VNNI")
 
 
-def tile_bytes(k: int) -> int:
-    """Bytes of one row tile's stream for k input columns."""
-    g = k // GROUP
-    return -(-g // SUPER) * HEAD + g * BLOCK
+def tile_bytes(k: int, bits: int = 4) -> int:
+    """Bytes of one row tile's stream for k input columns of `bits`-bit codes."""
+    g, per = k // GROUPS[bits], 256 // GROUPS[bits]
+    return -(-g // per) * HEAD + g * BLOCK
 
 
 def factor(v: Tensor) -> tuple[Tensor, Tensor]:
@@ -77,24 +78,32 @@ def effective(v: Tensor) -> Tensor:
 
 def pack(u: Tensor, s: Tensor, o: Tensor) -> Tensor:
     """Codes u [N, K] in [0, 15], scales s and offsets o [N, K/32] (w = s * u + o) -> the kernel's
-    tiles [N/16, tile_bytes(K)] uint8 (layout in kernels/w4a8.cpp): per row tile, super-blocks of a
-    64-byte header (fp16 factors of the scales and offsets, per row) and 288 bytes per group (codes,
-    int8 scales, int8 offsets)."""
+    4-bit tiles [N/16, tile_bytes(K)] uint8, the scales and offsets factored by factor()."""
+    return pack_factors(u, *factor(s), *factor(o))
+
+
+def pack_factors(u: Tensor, ds: Tensor, s8: Tensor, do: Tensor, o8: Tensor, bits: int = 4) -> Tensor:
+    """Codes u [N, K] (in [0, 15] for 4 bits, [0, 255] for 8), and w = s * u + o with s = ds * s8, o = do * o8
+    per group (32 columns for 4 bits, 16 for 8): ds, do [N, K/256] fp16 per super-block, s8, o8 [N, groups]
+    int8 -> the kernel's tiles [N/16, tile_bytes(K, bits)] uint8 (layout in kernels/w4a8.cpp): per row tile,
+    super-blocks of a 64-byte header (ds, then do, per row) and 288 bytes per group (codes, s8, o8)."""
     n, k = u.shape
-    t, g = n // TILE, k // GROUP
-    u6 = u.to(torch.uint8).view(t, TILE, g, 2, 4, 4)  # [tile, row, group, half, load, byte]
-    codes = (u6[:, :, :, 0] | (u6[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(t, g, 256)
-    (ds, s8), (do, o8) = factor(s), factor(o)
-    per_group = [v.view(t, TILE, g).transpose(1, 2).contiguous().view(torch.uint8) for v in (s8, o8)]
+    t, g, per = n // TILE, k // GROUPS[bits], 256 // GROUPS[bits]
+    if bits == 4:
+        u6 = u.to(torch.uint8).view(t, TILE, g, 2, 4, 4)  # [tile, row, group, half, load, byte]
+        codes = (u6[:, :, :, 0] | (u6[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(t, g, 256)
+    else:
+        codes = u.to(torch.uint8).view(t, TILE, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 256)
+    per_group = [v.to(torch.int8).view(t, TILE, g).transpose(1, 2).contiguous().view(torch.uint8) for v in (s8, o8)]
     blocks = torch.cat([codes, *per_group], -1)  # [t, g, 288]
-    heads = torch.cat([v.view(t, TILE, -1).transpose(1, 2).contiguous().view(torch.uint8)
+    heads = torch.cat([v.half().view(t, TILE, -1).transpose(1, 2).contiguous().view(torch.uint8)
                        for v in (ds, do)], -1)  # [t, nsb, 64]
     parts = []
     for b in range(heads.shape[1]):
-        parts += [heads[:, b], blocks[:, b * SUPER:(b + 1) * SUPER].reshape(t, -1)]
-    return torch.cat(parts, -1).contiguous()  # [t, tile_bytes(k)]
+        parts += [heads[:, b], blocks[:, b * per:(b + 1) * per].reshape(t, -1)]
+    return torch.cat(parts, -1).contiguous()  # [t, tile_bytes(k, bits)]
 
 
-def mm(x: Tensor, tiles: Tensor) -> Tensor:
-    """x [M, K] (any float dtype) times the packed weight -> [M, N] in x's dtype."""
-    return torch.ops.polybasic_w4a8.mm(x, tiles)
+def mm(x: Tensor, tiles: Tensor, bits: int = 4) -> Tensor:
+    """x [M, K] (any float dtype) times the packed weight of `bits`-bit codes -> [M, N] in x's dtype."""
+    return torch.ops.polybasic_w4a8.gemm(x, tiles, False, bits)

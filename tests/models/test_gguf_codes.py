@@ -159,9 +159,10 @@ QWEN2_KINDS = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_outpu
                "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q5_0", "token_embd": "Q8_0"}
 
 
-def write_qwen2_gguf(hf, path, rng) -> None:
+def write_qwen2_gguf(hf, path, rng, kinds=None) -> None:
     """A Qwen2 GGUF of hf's shapes, as llama.cpp's Q4_K_M mixes block types: its 2-D tensors are
-    random blocks of QWEN2_KINDS (so the weights are the GGUF's, not hf's), norms and biases hf's."""
+    random blocks of `kinds` (default QWEN2_KINDS; so the weights are the GGUF's, not hf's), norms and biases hf's."""
+    kinds = kinds or QWEN2_KINDS
     from tokenizers.pre_tokenizers import ByteLevel
 
     c = hf.config
@@ -197,7 +198,7 @@ def write_qwen2_gguf(hf, path, rng) -> None:
             layer, _, rest = stem.removeprefix("model.layers.").partition(".")
             name = f"blk.{layer}.{sub[rest]}"
         if value.dim() == 2:
-            qkind = QWEN2_KINDS[name.rsplit(".", 1)[-1]]
+            qkind = kinds[name.rsplit(".", 1)[-1]]
             raw = random_blocks(qkind, *value.shape, rng, 1e-3)
             w.add_tensor(f"{name}.{kind}", raw.reshape(value.shape[0], -1), raw_dtype=Q[qkind])  # a byte row per row
         else:

@@ -20,17 +20,32 @@ needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is Non
 W4A8 = QuantConfig(w_bits=4, group_size=32, kernel="w4a8")
 
 
-def reference(x, u, s, o):
-    """The kernel's arithmetic in float64: (y [M, N], the summed magnitudes of its terms [M, N])."""
+def reference(x, u, s, o, group=32):
+    """The kernel's arithmetic in float64 for the scales and offsets [N, K/group] it computes with:
+    (y [M, N], the summed magnitudes of its terms [M, N])."""
     m, k = x.shape
-    xg = x.float().view(m, k // 32, 32)
+    xg = x.float().view(m, k // group, group)
     amax = xg.abs().amax(-1, keepdim=True)
     xq = torch.where(amax > 0, torch.round(xg * (127 / amax)), torch.zeros_like(xg)).double()
     a, xsum = (amax[..., 0] / 127).double(), xg.sum(-1).double()  # [M, G]
-    dots = torch.einsum("mgk,ngk->mng", xq, u.double().view(u.shape[0], -1, 32))  # [M, N, G]
-    s8, o8 = w4a8.effective(s).double()[None], w4a8.effective(o).double()[None]  # [1, N, G], the kernel's
-    scaled, offset = dots * s8 * a[:, None], o8 * xsum[:, None]
+    dots = torch.einsum("mgk,ngk->mng", xq, u.double().view(u.shape[0], -1, group))  # [M, N, G]
+    scaled, offset = dots * s.double()[None] * a[:, None], o.double()[None] * xsum[:, None]
     return (scaled + offset).sum(-1), (scaled.abs() + offset.abs()).sum(-1)
+
+
+def q6k_like(n, k, g):
+    """Random Q6_K-like rows as the kernel's 8-bit factors: codes u = q + 32 in [0, 63], s = d * sc per 16
+    columns (int8 sc, fp16 d per 256), o = -32 s -> (u, (ds, s8, do, o8), s, o)."""
+    u = torch.randint(0, 64, (n, k), generator=g)
+    ds = (torch.rand(n, -(-k // 256), generator=g) * 1e-3 + 1e-4).half()
+    s8 = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
+    s = ds.float().repeat_interleave(16, 1)[:, :k // 16] * s8.float()
+    return u, (ds, s8, -32 * ds, s8), s, -32 * s
+
+
+def paths():
+    """The plain loops on any CPU, and VNNI where the CPU has it."""
+    return [True] + ([False] if torch.ops.polybasic_w4a8.vnni() else [])
 
 
 @needs_cxx
@@ -43,17 +58,55 @@ def test_kernel_equals_its_float64_reference_on_every_path(n, k):
     s = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
     o = -8 * s + torch.randn(n, k // 32, generator=g) * 1e-3
     tiles = w4a8.pack(u, s, o)
-    paths = [True] + ([False] if ops.vnni() else [])  # the plain loops on any CPU, VNNI where the CPU has it
     for m in (1, 2, 3, 4, 5, 8, 9, 17):  # blocks of up to 8 rows and their remainders
         x = torch.randn(m, k, generator=g)
         x[0, :32] = 0  # an all-zero activation group (its scale is 0)
-        ref, mags = reference(x, u, s, o)
-        for plain in paths:
-            y = ops.mm(x, tiles, plain)
+        ref, mags = reference(x, u, w4a8.effective(s), w4a8.effective(o))  # the factored scales it computes with
+        for plain in paths():
+            y = ops.gemm(x, tiles, plain)
             assert y.shape == (m, n) and y.dtype == x.dtype
             assert ((y.double() - ref).abs() <= 1e-5 * mags + 1e-6).all(), (m, plain)
         for dt in (torch.bfloat16, torch.float16):  # read and written in x's dtype: as fp32 in, rounded once out
             assert torch.equal(w4a8.mm(x.to(dt), tiles), w4a8.mm(x.to(dt).float(), tiles).to(dt))
+
+
+@needs_cxx
+@pytest.mark.parametrize("n,k", [(16, 16), (32, 272), (16, 1536)])  # 1, 17 (16 + 1) and 96 groups of 16
+def test_8bit_codes_equal_their_float64_reference_on_every_path(n, k):
+    w4a8.build()
+    g = torch.Generator().manual_seed(n + k)
+    u, factors, s, o = q6k_like(n, k, g)
+    tiles = w4a8.pack_factors(u, *factors, bits=8)
+    assert tiles.shape == (n // 16, w4a8.tile_bytes(k, 8))
+    for m in (1, 3, 8, 9):
+        x = torch.randn(m, k, generator=g)
+        x[0, :16] = 0
+        ref, mags = reference(x, u, s, o, group=16)
+        for plain in paths():
+            y = torch.ops.polybasic_w4a8.gemm(x, tiles, plain, 8)
+            assert ((y.double() - ref).abs() <= 1e-5 * mags + 1e-6).all(), (m, plain)
+
+
+@needs_cxx
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_row_has_the_same_bits_alone_and_among_others(bits):
+    """What a target's kernel must give: a verification's rows equal one-token steps bit for bit."""
+    w4a8.build()
+    g = torch.Generator().manual_seed(bits)
+    n, k = 32, 512
+    if bits == 8:
+        u, factors, *_ = q6k_like(n, k, g)
+        tiles = w4a8.pack_factors(u, *factors, bits=8)
+    else:
+        tiles = w4a8.pack(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // 32, generator=g) * 0.02,
+                          -torch.rand(n, k // 32, generator=g) * 0.1)
+    x = torch.randn(17, k, generator=g).bfloat16()
+    for plain in paths():
+        rows = torch.ops.polybasic_w4a8.gemm(x, tiles, plain, bits)
+        for m in (1, 2, 5, 8, 9, 17):
+            assert torch.equal(torch.ops.polybasic_w4a8.gemm(x[:m], tiles, plain, bits), rows[:m]), (m, plain)
+        assert all(torch.equal(torch.ops.polybasic_w4a8.gemm(x[i:i + 1], tiles, plain, bits), rows[i:i + 1])
+                   for i in range(17))
 
 
 def test_layout_places_each_code_and_factor_where_the_kernel_reads_it():
@@ -94,6 +147,8 @@ def test_kernel_refuses_a_mismatched_input():
     tiles = w4a8.pack(torch.zeros(16, 64, dtype=torch.long), torch.ones(16, 2), torch.zeros(16, 2))
     with pytest.raises(RuntimeError, match="columns"):
         w4a8.mm(torch.randn(1, 32), tiles)
+    with pytest.raises(RuntimeError, match="bytes"):  # the same bytes as 8-bit codes of 32 columns: named, not guessed
+        w4a8.mm(torch.randn(1, 64), tiles, bits=8)
 
 
 @needs_cxx

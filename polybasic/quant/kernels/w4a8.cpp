@@ -1,18 +1,26 @@
-// W4A8 GEMV/GEMM for CPUs with AVX-512 VNNI: 4-bit weight codes x int8 activations, the CPU kernel 'w4a8'
-// (polybasic/quant/w4a8.py builds it on first use and packs the layout; experiments/w4a8_kernel.py measures it).
+// W4A8 GEMV/GEMM for CPUs with AVX-512 VNNI: 4-bit (or 8-bit) weight codes x int8 activations, the CPU
+// kernel 'w4a8' (polybasic/quant/w4a8.py builds it on first use and packs the layout;
+// experiments/w4a8_kernel.py measures it).
 //
 // y[m, n] = sum_g ( s[n,g] * a[m,g] * sum_{k in g} u[n,k] * xq[m,k]  +  o[n,g] * xsum[m,g] )
-// u: the weight's codes in [0, 15] (w = s * u + o), groups g of 32 input columns. The scales and offsets
-// are 8-bit per group times an fp16 factor per row and super-block of 8 groups (256 columns), as in
-// llama.cpp's Q4_K: s = ds * s8, o = dof * o8 (exact in fp32). Activations are quantized per group of 32
-// at every call: a = max|x| / 127, xq = round(x / a); xsum is the exact sum of x.
+// u: the weight's codes (w = s * u + o), in [0, 15] in groups g of 32 input columns (4-bit tiles), or in
+// [0, 255] in groups of 16 (8-bit tiles: llama.cpp's Q6_K, whose scales are per 16 columns, holds exactly
+// as u = q + 32, o = -32 s). The scales and offsets are 8-bit per group times an fp16 factor per row and
+// super-block of 256 columns (8 groups of 32 or 16 of 16), as in llama.cpp's Q4_K and Q6_K: s = ds * s8,
+// o = dof * o8 (exact in fp32). Activations are quantized per group (32 or 16) at every call:
+// a = max|x| / 127, xq = round(x / a); xsum is the exact sum of x. Every output row is computed by the
+// same code in the same order whatever the number of rows (row-invariant), so a model's one-token steps
+// and its verifications of several rows give the same bits.
 //
 // Layout, [N/16, bytes per tile]: row tile t (rows 16t..16t+15) is one stream of super-blocks, each
 // 64 bytes of header (16 fp16 ds, then 16 fp16 dof: one per row) and then, per group of the super-block
-// (8, fewer in the last), 288 bytes: 256 of codes, 16 int8 s8 and 16 int8 o8 (one per row). 4.625 bits a
-// weight. In the codes, load L (0..3) is 64 bytes whose byte 4i+c holds u[16t+i, 32g+4L+c] in its low
-// nibble and u[16t+i, 32g+16+4L+c] in its high one: split into nibbles, one load gives each row (a 32-bit
-// lane) 4 + 4 consecutive codes, what vpdpbusd multiplies with 4 activation bytes broadcast to every lane.
+// (fewer in the last), 288 bytes: 256 of codes, 16 int8 s8 and 16 int8 o8 (one per row): 4.625 bits a
+// weight in 4-bit tiles, 9.25 in 8-bit ones. In 4-bit codes, load L (0..3) is 64 bytes whose byte 4i+c
+// holds u[16t+i, 32g+4L+c] in its low nibble and u[16t+i, 32g+16+4L+c] in its high one: split into
+// nibbles, one load gives each row (a 32-bit lane) 4 + 4 consecutive codes, what vpdpbusd multiplies with
+// 4 activation bytes broadcast to every lane. In 8-bit codes, byte 4i+c of load L holds u[16t+i, 16g+4L+c].
+// The op takes the width as an argument (tiles of 4-bit codes for K columns have the bytes of 8-bit ones
+// for K/2).
 // x may be fp32, bf16 or fp16; y comes back in x's dtype (converted once, at the store).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,17 +37,26 @@
 
 namespace {
 
-constexpr int64_t G = 32;            // group size, weights and activations
+// a layout of codes W bits wide (4 or 8): G columns per group (weights and activations), SB groups per
+// super-block of 256 columns, activation bytes per code load (4-bit: 4 low-nibble + 4 high-nibble columns)
+template <int W>
+struct Width {
+  static constexpr int64_t G = W == 4 ? 32 : 16;
+  static constexpr int64_t SB = 256 / G;
+};
 constexpr int64_t TN = 16;           // rows per tile
-constexpr int64_t SB = 8;            // groups per super-block
 constexpr int64_t HEAD = 64;         // bytes per (tile, super-block) header: 16 fp16 ds, 16 fp16 dof
 constexpr int64_t BLOCK = 288;       // bytes per (tile, group): 256 of codes, 16 of s8, 16 of o8
 constexpr int64_t PREFETCH = 16384;  // bytes ahead (2-core AMD EPYC, Qwen 1.5B linears: 30.2 -> 22.7 ms a pass at 2 rows)
 
-int64_t tile_bytes(int64_t ng) { return (ng + SB - 1) / SB * HEAD + ng * BLOCK; }
+template <int W>
+int64_t tile_bytes(int64_t K) {
+  const int64_t ng = K / Width<W>::G;
+  return (ng + Width<W>::SB - 1) / Width<W>::SB * HEAD + ng * BLOCK;
+}
 
-// x [M, K] -> xq [M, K] int8, a [M, K/32], xsum [M, K/32]
-template <typename T>
+// x [M, K] -> xq [M, K] int8, a [M, K/G], xsum [M, K/G]
+template <int64_t G, typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* a, float* xsum) {
   const int64_t ng = K / G;
   for (int64_t m = 0; m < M; ++m)
@@ -65,11 +82,20 @@ void store_row(T* y, const float* v) {  // 16 values, rounded once to y's dtype
   for (int64_t i = 0; i < TN; ++i) y[i] = static_cast<T>(v[i]);
 }
 
+// the code of row i, activation column j (0..G-1) of a group's 256 code bytes (layout above)
+template <int W>
+int32_t code_at(const uint8_t* codes, int64_t i, int64_t j) {
+  if constexpr (W == 8) return codes[(j / 4) * 64 + 4 * i + j % 4];
+  const uint8_t b = codes[((j % 16) / 4) * 64 + 4 * i + j % 4];
+  return j < 16 ? (b & 15) : (b >> 4);
+}
+
 // Any CPU: the same arithmetic in plain loops (integer dots exact, then the same float terms).
-template <typename T>
+template <int W, typename T>
 void tiles_plain(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                  int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  const int64_t ng = K / G, tb = tile_bytes(ng);
+  constexpr int64_t G = Width<W>::G, SB = Width<W>::SB;
+  const int64_t ng = K / G, tb = tile_bytes<W>(K);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t m = 0; m < M; ++m) {
       float res[TN] = {0};
@@ -81,11 +107,7 @@ void tiles_plain(const uint8_t* w, const int8_t* xq, const float* a, const float
         const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 256);
         for (int64_t i = 0; i < TN; ++i) {
           int32_t dot = 0;
-          for (int64_t L = 0; L < 4; ++L)
-            for (int64_t c = 0; c < 4; ++c) {
-              const uint8_t b = blk[L * 64 + 4 * i + c];
-              dot += int32_t(b & 15) * xg[4 * L + c] + int32_t(b >> 4) * xg[16 + 4 * L + c];
-            }
+          for (int64_t j = 0; j < G; ++j) dot += code_at<W>(blk, i, j) * xg[j];
           const float s = fp16_at(head, i) * float(s8[i]), o = fp16_at(head + 32, i) * float(s8[TN + i]);
           res[i] += float(dot) * (s * a[m * ng + g]) + o * xsum[m * ng + g];
         }
@@ -100,11 +122,14 @@ __m512 int8_to_ps(const uint8_t* p) {  // 16 int8 -> 16 fp32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// MB activation rows at once (up to MB_MAX): a group's 8 unpacked code registers serve every row.
-template <int MB, typename T>
+// MB activation rows at once (up to MB_MAX): a group's unpacked code registers (8 for 4-bit codes, 4 for
+// 8-bit ones) serve every row.
+template <int W, int MB, typename T>
 void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                 int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  const int64_t ng = K / G, tb = tile_bytes(ng);
+  constexpr int64_t G = Width<W>::G, SB = Width<W>::SB;
+  constexpr int NC = W == 4 ? 8 : 4;  // code registers per group: activation words 0..NC-1 multiply them
+  const int64_t ng = K / G, tb = tile_bytes<W>(K);
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 res[MB];
@@ -118,20 +143,24 @@ void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float*
         blk += HEAD;
       }
       for (int L = 0; L < 5; ++L) _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * L), _MM_HINT_T0);
-      __m512i lo[4], hi[4];
+      __m512i c[NC];  // c[j] pairs with activation word j (4 consecutive columns)
       for (int L = 0; L < 4; ++L) {
         const __m512i v = _mm512_loadu_si512(blk + 64 * L);
-        lo[L] = _mm512_and_si512(v, nib);
-        hi[L] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        if constexpr (W == 8) {
+          c[L] = v;
+        } else {
+          c[L] = _mm512_and_si512(v, nib);
+          c[4 + L] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        }
       }
       const __m512 sv = _mm512_mul_ps(ds, int8_to_ps(blk + 256));
       const __m512 ov = _mm512_mul_ps(dof, int8_to_ps(blk + 272));
       for (int r = 0; r < MB; ++r) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xq + r * K + g * G);
         __m512i dot = _mm512_setzero_si512();
-        for (int L = 0; L < 4; ++L) {
-          dot = _mm512_dpbusd_epi32(dot, lo[L], _mm512_set1_epi32(xg[L]));
-          dot = _mm512_dpbusd_epi32(dot, hi[L], _mm512_set1_epi32(xg[4 + L]));
+        for (int L = 0; L < 4; ++L) {  // the 4-bit order: low nibbles of load L, then its high ones
+          dot = _mm512_dpbusd_epi32(dot, c[L], _mm512_set1_epi32(xg[L]));
+          if constexpr (W == 4) dot = _mm512_dpbusd_epi32(dot, c[4 + L], _mm512_set1_epi32(xg[4 + L]));
         }
         res[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, _mm512_set1_ps(a[r * ng + g])), res[r]);
         res[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsum[r * ng + g]), res[r]);
@@ -145,25 +174,26 @@ void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float*
   }
 }
 
-// tiles_vnni<mb> for mb in 1..MB_MAX: a copy's verification of up to 8 rows reads the weights once
+// tiles_vnni<W, mb> for mb in 1..MB_MAX: a verification of up to 8 rows reads the weights once
 // (8 accumulators, 8 code registers and the scale terms fit AVX-512's 32 registers)
 constexpr int MB_MAX = 8;
-template <typename T, int MB = 1>
+template <int W, typename T, int MB = 1>
 void rows_dispatch(int mb, const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                    int64_t N, int64_t K, int64_t t0, int64_t t1) {
   if constexpr (MB < MB_MAX) {
-    if (mb != MB) return rows_dispatch<T, MB + 1>(mb, w, xq, a, xsum, y, N, K, t0, t1);
+    if (mb != MB) return rows_dispatch<W, T, MB + 1>(mb, w, xq, a, xsum, y, N, K, t0, t1);
   }
-  tiles_vnni<MB, T>(w, xq, a, xsum, y, N, K, t0, t1);
+  tiles_vnni<W, MB, T>(w, xq, a, xsum, y, N, K, t0, t1);
 }
 #endif
 
-template <typename T>
+template <int W, typename T>
 void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y, bool plain) {
+  constexpr int64_t G = Width<W>::G;
   const int64_t M = x.size(0), K = x.size(1), nt = packed.size(0), N = nt * TN, ng = K / G;
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor a = at::empty({M, ng}, x.options().dtype(at::kFloat)), xsum = at::empty({M, ng}, a.options());
-  quantize_rows(x.data_ptr<T>(), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(), xsum.data_ptr<float>());
+  quantize_rows<G>(x.data_ptr<T>(), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(), xsum.data_ptr<float>());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int8_t* q = xq.data_ptr<int8_t>();
   const float *ap = a.data_ptr<float>(), *sp = xsum.data_ptr<float>();
@@ -173,30 +203,39 @@ void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y, bool plai
     if (!plain) {
       for (int64_t m = 0; m < M; m += MB_MAX) {
         const int64_t mb = std::min<int64_t>(MB_MAX, M - m);
-        rows_dispatch<T>(static_cast<int>(mb), w, q + m * K, ap + m * ng, sp + m * ng, yp + m * N, N, K, t0, t1);
+        rows_dispatch<W, T>(static_cast<int>(mb), w, q + m * K, ap + m * ng, sp + m * ng, yp + m * N, N, K, t0, t1);
       }
       return;
     }
 #endif
-    tiles_plain(w, q, ap, sp, yp, M, N, K, t0, t1);
+    tiles_plain<W>(w, q, ap, sp, yp, M, N, K, t0, t1);
   });
 }
 
-at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& packed, bool plain) {
+template <int W>
+void run_in(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y, bool plain) {
+  if (x.scalar_type() == at::kBFloat16) run<W, at::BFloat16>(x, packed, y, plain);
+  else if (x.scalar_type() == at::kHalf) run<W, at::Half>(x, packed, y, plain);
+  else run<W, float>(x, packed, y, plain);
+}
+
+at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& packed, bool plain, int64_t bits) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() && x_in.is_floating_point(),
               "w4a8_mm: x must be a 2-D floating-point CPU tensor [M, K]");
-  TORCH_CHECK(x_in.size(1) % G == 0, "w4a8_mm: x has ", x_in.size(1), " columns, not a multiple of ", G);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "w4a8_mm: packed must be contiguous uint8 [N/16, bytes per tile]");
-  TORCH_CHECK(packed.size(1) == tile_bytes(x_in.size(1) / G), "w4a8_mm: x has ", x_in.size(1),
-              " columns, the weight's tiles hold ", packed.size(1), " bytes (", tile_bytes(x_in.size(1) / G), " for x's)");
+  TORCH_CHECK(bits == 4 || bits == 8, "w4a8_mm: bits must be 4 or 8, got ", bits);
+  const int64_t K = x_in.size(1), G = bits == 4 ? 32 : 16, tb = bits == 4 ? tile_bytes<4>(K) : tile_bytes<8>(K);
+  TORCH_CHECK(K % G == 0, "w4a8_mm: x has ", K, " columns, not a multiple of ", G, " (", bits, "-bit codes)");
+  TORCH_CHECK(packed.size(1) == tb, "w4a8_mm: x has ", K, " columns, the weight's tiles hold ", packed.size(1),
+              " bytes (", tb, " for x's in ", bits, "-bit codes)");
+  const bool four = bits == 4;
   const auto st = x_in.scalar_type();
   const bool native = st == at::kFloat || st == at::kBFloat16 || st == at::kHalf;
   const at::Tensor x = (native ? x_in : x_in.to(at::kFloat)).contiguous();
   at::Tensor y = at::empty({x.size(0), packed.size(0) * TN}, x.options());
-  if (x.scalar_type() == at::kBFloat16) run<at::BFloat16>(x, packed, y, plain);
-  else if (x.scalar_type() == at::kHalf) run<at::Half>(x, packed, y, plain);
-  else run<float>(x, packed, y, plain);
+  if (four) run_in<4>(x, packed, y, plain);
+  else run_in<8>(x, packed, y, plain);
   return native ? y : y.to(st);
 }
 
@@ -205,8 +244,10 @@ bool w4a8_vnni() { return PB_VNNI; }
 }  // namespace
 
 TORCH_LIBRARY(polybasic_w4a8, m) {
-  m.def("mm(Tensor x, Tensor packed, bool plain=False) -> Tensor");
+  // an op whose schema changes takes a new name ("mm" had no `bits`): compiled code cached on disk by inductor
+  // calls ops by name, and inductor's cache key does not see an op's schema
+  m.def("gemm(Tensor x, Tensor packed, bool plain=False, int bits=4) -> Tensor");
   m.def("vnni() -> bool", &w4a8_vnni);
 }
 
-TORCH_LIBRARY_IMPL(polybasic_w4a8, CPU, m) { m.impl("mm", &w4a8_mm); }
+TORCH_LIBRARY_IMPL(polybasic_w4a8, CPU, m) { m.impl("gemm", &w4a8_mm); }

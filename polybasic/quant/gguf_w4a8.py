@@ -1,0 +1,199 @@
+"""A GGUF model's linears on the CPU kernel 'w4a8', over the file's own codes: the target computed as
+llama.cpp computes it (the weights' codes times int8 activations), every row by the same code.
+
+A Q4_K row is 4-bit codes c, value d * sc * c - dmin * m per group of 32 (sc, m 6-bit, d, dmin fp16 per 256
+columns): the kernel's 4-bit tiles hold it exactly (ds = d, s8 = sc, do = -dmin, o8 = m). A Q6_K row is 6-bit
+codes q, value d * sc * (q - 32) per group of 16 (sc int8, d fp16 per 256 columns): the 8-bit tiles hold it
+exactly as u = q, s = d * sc, o = -32 * d * sc (do = -32 d, o8 = sc). So the kernel multiplies the file's
+weights, bit for bit in fp32; only the activations are rounded, to 8 bits per group of 32 (16 for Q6_K rows),
+as llama.cpp rounds them (per 256 in its Q8_K). The kernel is row-invariant, so a target's one-token steps
+and its verifications agree bit for bit and a chain over it stays lossless. Linears with rows of any other
+block type (Q5_K, Q8_0, F16, ...) keep their dense weights and kernels.
+
+`bind(model, gguf)` finds each linear's rows among the file's by content, as models.gguf_codes.attach_codes
+does (the weight rows in the model's dtype against the file's rows expanded and rounded to it, then every
+row checked whole), and swaps the linears it can hold for GGUFLinear. Reached as `--model NAME@w4a8`
+(quant.api.load_any_model).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from polybasic.errors import ConfigError
+from polybasic.models.gguf_codes import k_factors, q4k_codes, q6k_factors, rows_by_tensor
+from polybasic.models.gguf_index import read_tensor_infos
+from polybasic.quant import w4a8
+
+log = logging.getLogger(__name__)
+
+BITS = {"Q4_K": 4, "Q6_K": 8}  # the block types the kernel holds exactly -> the width of its codes there
+TILE = w4a8.TILE
+
+
+@dataclass
+class Factors:
+    """Rows of a GGUF tensor as the kernel's factors: w = s * u + o per group (GROUPS[bits] columns), with
+    s = ds * s8 and o = do * o8 (ds, do fp16 per 256 columns)."""
+    bits: int
+    u: Tensor  # [N, K] uint8 codes
+    ds: Tensor  # [N, K/256] fp16
+    s8: Tensor  # [N, groups] int8
+    do: Tensor  # [N, K/256] fp16
+    o8: Tensor  # [N, groups] int8
+
+    def expand(self) -> Tensor:
+        """[N, K] fp32: the values the kernel multiplies, gguf's own dequantized values bit for bit (each exact
+        in float64 and rounded once, as gguf rounds its fp32 formulas' one inexact step)."""
+        n, k = self.u.shape
+        group = w4a8.GROUPS[self.bits]
+        per = lambda d, q: d.double().repeat_interleave(256 // group, 1) * q.double()  # noqa: E731  [N, groups]
+        s, o = per(self.ds, self.s8), per(self.do, self.o8)
+        return (self.u.double().view(n, -1, group) * s[..., None] + o[..., None]).view(n, k).float()
+
+    def rows(self, index: Tensor) -> "Factors":
+        return Factors(self.bits, *(t[index] for t in (self.u, self.ds, self.s8, self.do, self.o8)))
+
+    def pack(self) -> Tensor:
+        return w4a8.pack_factors(self.u, self.ds, self.s8, self.do, self.o8, self.bits)
+
+
+def factors(kind: str, raw: np.ndarray, n: int, k: int) -> Factors:
+    """The raw super-blocks [n * k / 256, bytes] of an [n, k] Q4_K or Q6_K tensor -> its Factors."""
+    t = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).reshape(n, -1).to(dtype)  # noqa: E731
+    if kind == "Q4_K":
+        d, dmin, sc, m = k_factors(raw)
+        return Factors(4, t(q4k_codes(raw), torch.uint8), t(d, torch.float16), t(sc, torch.int8),
+                       t(-dmin, torch.float16), t(m, torch.int8))
+    if kind == "Q6_K":
+        q, d, sc = q6k_factors(raw)
+        do = t(-32 * d, torch.float16)
+        if not torch.isfinite(do).all():
+            raise ValueError("a Q6_K block's d is too large for the kernel's fp16 offset factor (-32 d)")
+        return Factors(8, t(q, torch.uint8), t(d, torch.float16), t(sc, torch.int8), do, t(sc, torch.int8))
+    raise ValueError(f"GGUF block type {kind}: the kernel holds only {', '.join(BITS)} exactly")
+
+
+def read_factors(path: str | Path) -> list[Factors]:
+    """Every 2-D Q4_K or Q6_K tensor of a GGUF file as Factors."""
+    out = []
+    for info in read_tensor_infos(path):
+        if info.kind in BITS and len(info.shape) == 2:
+            k, n = info.shape  # GGUF lists the contiguous dim first
+            out.append(factors(info.kind, info.data.reshape(-1, info.block_bytes), n, k))
+    return out
+
+
+class GGUFLinear(nn.Module):
+    """A linear over a GGUF's own codes on the kernel 'w4a8': its output rows as runs of 4-bit (Q4_K) and 8-bit
+    (Q6_K) tiles (a fused [q; k; v] may mix them), each run one kernel call; computed in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, parts: list[tuple[int, Tensor]], bias: Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits = tuple(bits for bits, _ in parts)
+        for i, (_, tiles) in enumerate(parts):  # buffers: a compiled step takes them as inputs, unguarded
+            self.register_buffer(f"tiles{i}", tiles, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [..., in] -> [..., out]
+        x2 = x.reshape(-1, self.in_features)
+        ys = [w4a8.mm(x2, getattr(self, f"tiles{i}"), bits) for i, bits in enumerate(self.bits)]  # [rows, part]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+def _keys(w: Tensor) -> list[int]:
+    """A hash of every row's values (-0.0 as 0.0: gguf's d * sc * (q - 32) is -0.0 where the kernel's s * q + o
+    is 0.0, the same weight), by their bytes (numpy has no bf16, so rows are hashed as integers)."""
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
+    return [hash(row.tobytes()) for row in (w.detach() + 0.0).contiguous().view(as_int).numpy()]
+
+
+def _runs(hits: list[tuple[int, int]], tensors: list[Factors]) -> list[tuple[int, int, int]]:
+    """[(start, end, bits)]: the maximal runs of output rows whose source tensors have one code width."""
+    runs: list[tuple[int, int, int]] = []
+    for i, (ti, _) in enumerate(hits):
+        bits = tensors[ti].bits
+        if runs and runs[-1][2] == bits:
+            runs[-1] = (runs[-1][0], i + 1, bits)
+        else:
+            runs.append((i, i + 1, bits))
+    return runs
+
+
+def _gather(tensors: list[Factors], hits: list[tuple[int, int]], bits: int) -> Factors:
+    """The rows hits [(tensor, row)] (all of one width) as one Factors, gathered per source tensor."""
+    groups = rows_by_tensor(hits)
+    first = tensors[next(iter(groups))]
+    out = Factors(bits, *(t.new_empty(len(hits), *t.shape[1:]) for t in (first.u, first.ds, first.s8, first.do,
+                                                                           first.o8)))
+    for ti, (mine, theirs) in groups.items():
+        part = tensors[ti].rows(torch.tensor(theirs))
+        for name in ("u", "ds", "s8", "do", "o8"):
+            getattr(out, name)[torch.tensor(mine)] = getattr(part, name)
+    return out
+
+
+def _coded(lin: nn.Linear, tensors: list[Factors], where: dict[int, tuple[int, int]]) -> GGUFLinear | None:
+    """lin as a GGUFLinear if every row is found in a Q4_K/Q6_K tensor and expands to its weight exactly."""
+    hits = [where.get(key) for key in _keys(lin.weight)]
+    if not hits or None in hits:
+        return None
+    parts = []
+    for start, end, bits in _runs(hits, tensors):
+        if (end - start) % TILE or lin.in_features % w4a8.GROUPS[bits] or lin.in_features % 256:
+            return None
+        f = _gather(tensors, hits[start:end], bits)
+        if not torch.equal(f.expand().to(lin.weight.dtype), lin.weight[start:end]):
+            return None
+        parts.append((bits, f.pack()))
+    bias = None if lin.bias is None else lin.bias.detach().clone()
+    return GGUFLinear(lin.in_features, lin.out_features, parts, bias)
+
+
+def check(device: str | torch.device) -> None:
+    """Raise a ConfigError unless the kernel runs here, on `device` (cheap after its first build)."""
+    if torch.device(device).type != "cpu":
+        raise ConfigError(f"model: '@w4a8' runs on a CPU, not {torch.device(device).type}; use --device cpu or "
+                          "drop '@w4a8'")
+    ok, why = w4a8.status()
+    if not ok:
+        raise ConfigError(f"model: '@w4a8' runs the GGUF's codes on the CPU kernel w4a8, which cannot run here "
+                          f"({why}); drop '@w4a8'")
+
+
+def bind(model: nn.Module, gguf: str | Path) -> tuple[int, int]:
+    """Swap every nn.Linear of `model` (on a CPU) whose rows a GGUF file holds as Q4_K or Q6_K for a GGUFLinear
+    over those codes; returns (swapped, linears). Raises ConfigError where the kernel cannot run here."""
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    check(linears[0][1].weight.device if linears else "cpu")
+    tensors = read_factors(gguf)
+    dtypes = {m.weight.dtype for _, m in linears}
+    where: dict[int, tuple[int, int]] = {}  # hash of a row rounded to the model's dtype -> (tensor, row)
+    for ti, f in enumerate(tensors):
+        values = f.expand()
+        for dtype in dtypes:
+            for ri, key in enumerate(_keys(values.to(dtype))):
+                where.setdefault(key, (ti, ri))
+    swapped = 0
+    for name, lin in linears:
+        new = _coded(lin, tensors, where)
+        if new is None:
+            log.info("%s keeps its dense weight (not all of its rows are Q4_K/Q6_K rows of %s)", name, gguf)
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        swapped += 1
+    log.info("%d of %d linears run the GGUF's codes on the kernel w4a8", swapped, len(linears))
+    return swapped, len(linears)
