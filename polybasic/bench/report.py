@@ -55,12 +55,14 @@ def _links(links: dict[str, float | None] | None) -> str:
 
 
 def _rows(doc: dict) -> tuple[list[str], list[list[str]]]:
+    compiled = any("identical_to_vanilla_compiled" in v for v in doc["methods"].values())
     head = ["method", "tokens/s", "speedup", "vs fastest", "median", "tau", "accept", "links", "identical",
-            "predicted"]
+            *(["= compiled"] if compiled else []), "predicted"]
     rows = [[m, _f(v["tokens_per_s"], ".2f"), _f(v["speedup"], ".2f") + "x",
              _f(v.get("speedup_vs_fastest_vanilla"), ".2f") + "x", _f(v.get("median_speedup"), ".2f") + "x",
              _f(v["tau"], ".2f"), _f(v.get("accept_len"), ".2f"), _links(v.get("links")),
-             v["identical_to_vanilla"] or "n/a", _f(v["predicted_speedup"], ".2f")]
+             v["identical_to_vanilla"] or "n/a", *([v.get("identical_to_vanilla_compiled") or "n/a"] if compiled else []),
+             _f(v["predicted_speedup"], ".2f")]
             for m, v in doc["methods"].items()]
     return head, rows
 
@@ -127,7 +129,8 @@ def markdown(doc: dict) -> str:
         "prompts of the per-prompt speedup (robust to machine noise); tau = new tokens per target forward; "
         "accept = the bottom drafter's mean accepted length per draft verified by the level above (accepted "
         "drafts + 1; verifications of an empty draft, such as the budget's last token, left out); links = that length for every link of a chain (verifier<-drafter); identical = prompts "
-        "whose tokens equal vanilla's (greedy only). Methods that run the target in another dtype "
+        "whose tokens equal vanilla's (greedy only); = compiled = prompts whose tokens equal vanilla-compiled's, when "
+        "the run has it (a compiled chain's own reference). Methods that run the target in another dtype "
         "(vanilla:DTYPE) or with other numerics (transformers, compiled steps) are not expected to be "
         "identical: a different kernel or rounding can flip a near-tie.", "",
         *_fastest_sentence(doc),

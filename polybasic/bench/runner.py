@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from polybasic.bench.methods import Output, Runner
 
 REFERENCE = "vanilla"
+COMPILED_REFERENCE = "vanilla-compiled"  # compiled chains' own reference: a compiled target rounds as eager does not
 VANILLA_PREFIXES = ("vanilla:", "vanilla-compiled")  # with REFERENCE: the plain decoders
 
 
@@ -64,7 +65,11 @@ def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, lis
     return records
 
 
-def _group(records: list[Record], reference: dict, greedy: bool) -> dict:
+def _same(records: list[Record], reference: dict) -> int:
+    return sum(r.tokens == reference[(r.question_id, r.category)].tokens for r in records)
+
+
+def _group(records: list[Record], reference: dict, greedy: bool, compiled: dict | None = None) -> dict:
     tokens = sum(r.new_tokens for r in records)
     wall = sum(r.wall_s for r in records)
     tps = tokens / wall if wall > 0 else 0.0
@@ -72,20 +77,23 @@ def _group(records: list[Record], reference: dict, greedy: bool) -> dict:
     # target forwards per prompt = new tokens / tau; tau overall = tokens / forwards
     tau = (sum(r.new_tokens for r in taus) / sum(r.new_tokens / r.tau for r in taus)
            if taus and len(taus) == len(records) else None)
-    same = sum(r.tokens == reference[(r.question_id, r.category)].tokens for r in records)
     acc = [a for r in records for a in (r.accepted or [])]
-    return {"tokens_per_s": tps, "tau": tau,
+    out = {"tokens_per_s": tps, "tau": tau,
             # the bottom drafter's mean accepted length: accepted drafts + 1 per verification
             "accept_len": 1 + sum(acc) / len(acc) if acc else None,
-            "identical_to_vanilla": f"{same}/{len(records)}" if greedy else None,
+            "identical_to_vanilla": f"{_same(records, reference)}/{len(records)}" if greedy else None,
             "new_tokens": tokens, "wall_s": wall, "prompts": len(records)}
+    if greedy and compiled:  # the run has vanilla-compiled: the tokens a compiled chain must equal
+        out["identical_to_vanilla_compiled"] = f"{_same(records, compiled)}/{len(records)}"
+    return out
 
 
 def summarize(records: list[Record], greedy: bool, predicted: dict[str, float | None] | None = None
               ) -> dict[str, dict]:
     """{method: {tokens_per_s, speedup, speedup_vs_fastest_vanilla, tau, accept_len, links,
-    identical_to_vanilla, predicted_speedup, per_category}}."""
+    identical_to_vanilla, [identical_to_vanilla_compiled,] predicted_speedup, per_category}}."""
     ref = {(r.question_id, r.category): r for r in records if r.method == REFERENCE}
+    cref = {(r.question_id, r.category): r for r in records if r.method == COMPILED_REFERENCE} or None
     methods = list(dict.fromkeys(r.method for r in records))
     cats = list(dict.fromkeys(r.category for r in records))
     out: dict[str, dict] = {}
@@ -94,7 +102,7 @@ def summarize(records: list[Record], greedy: bool, predicted: dict[str, float | 
                 for c in cats}
     for m in methods:
         mine = [r for r in records if r.method == m]
-        g = _group(mine, ref, greedy)
+        g = _group(mine, ref, greedy, cref)
         g["speedup"] = _ratio(g["tokens_per_s"], base["tokens_per_s"])
         g["median_speedup"] = _median_speedup(mine, ref)
         g["predicted_speedup"] = (predicted or {}).get(m)

@@ -71,3 +71,18 @@ def test_write_outputs(tmp_path):
     write_outputs(doc(), tmp_path / "b.json", tmp_path / "rep")
     assert json.loads((tmp_path / "b.json").read_text())["methods"]["pld"]["identical_to_vanilla"] == "1/1"
     assert sorted(os.listdir(tmp_path / "rep")) == ["bench.json", "report.md", "speedup.png"]
+
+
+def test_compiled_chains_are_also_compared_with_compiled_vanilla():
+    """With vanilla-compiled in the run, every method also counts the prompts equal to its tokens (a compiled
+    chain's own reference); without it, the column is absent."""
+    records = [Record("vanilla", 1, "qa", 5, 4, 1.0, None, [1, 2, 3, 4]),
+               Record("vanilla-compiled", 1, "qa", 5, 4, 0.8, None, [1, 2, 3, 9]),
+               Record("chain-compiled:a", 1, "qa", 5, 4, 0.4, 2.0, [1, 2, 3, 9])]
+    d = build_document(records, True, machine_info("float32", "polybasic bench"), {}, {"model": "m"})
+    chain = d["methods"]["chain-compiled:a"]
+    assert (chain["identical_to_vanilla"], chain["identical_to_vanilla_compiled"]) == ("0/1", "1/1")
+    assert d["methods"]["vanilla"]["identical_to_vanilla_compiled"] == "0/1"
+    assert "= compiled" in text_table(d) and "= compiled" in markdown(d)
+    assert "identical_to_vanilla_compiled" not in chain_doc()["methods"]["chain:a+ngram"]
+    assert "= compiled" not in text_table(chain_doc())
