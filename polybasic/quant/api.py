@@ -23,7 +23,7 @@ from polybasic.models.loader import LoadedModel, folder_and_args, load_model, lo
 from polybasic.models.preflight import (CODES_KERNEL, FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors,
                                         safetensors_metadata, split_kernel)
 from polybasic.models.prepare import prepare_for_device
-from polybasic.quant import gguf_w4a8
+import polybasic.quant.gguf_w4a8 as gguf_w4a8
 from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
 
 FORMAT = QUANT_FORMAT

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from polybasic.errors import ConfigError
 from polybasic.models.gguf_codes import k_factors, q4k_codes, q6k_factors, rows_by_tensor
 from polybasic.models.gguf_index import read_tensor_infos
-from polybasic.quant import w4a8
+import polybasic.quant.w4a8 as w4a8
 
 log = logging.getLogger(__name__)
 
