@@ -22,9 +22,9 @@ from polybasic.errors import ConfigError
 from polybasic.models import load_hf_model
 from polybasic.models.loader import LoadedModel
 from polybasic.models.preflight import check_source
-from polybasic.models.static import decode_sizes
+from polybasic.models.static import covering, decode_sizes
 from polybasic.quant.api import load_any_model
-from polybasic.runtime.chain import Chain
+from polybasic.runtime.chain import Chain, scored_rows
 from polybasic.runtime.chain_builder import build_chain, parse_chain
 from polybasic.runtime.compiled import compile_levels
 from polybasic.runtime.context import timed
@@ -186,15 +186,21 @@ def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, me
 
 
 def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: str, sizes=None,
-                    decode: bool = False) -> None:
+                    decode: bool = False, rows: list[int] = ()) -> None:
     """Compile `levels` (target first) for the run's requests, every step size (`sizes`, default the run's
-    --step-sizes; with `decode`, a lone model's two plain-decoding steps) and cache size at once (no compile
-    lands in a timed prompt), and record the time it took in ctx.compile_s[method]."""
+    --step-sizes; with `decode`, a lone model's two plain-decoding steps; plus `rows`, the most rows a chain's
+    levels score in one call, runtime.chain.scored_rows) and cache size at once (no compile lands in a timed
+    prompt), and record the time it took in ctx.compile_s[method]."""
     cap = ctx.model.args.max_seq_len
     lengths = [min(cap, n + ctx.max_new_tokens + 1) for n in ctx.prompt_tokens] or [min(cap, 256)]
     say = lambda msg: print(f"[{method}: {msg}]", file=sys.stderr)  # noqa: E731
-    ctx.compile_s[method] = compile_levels(levels, max(lengths), gguf, sizes or ctx.step_sizes, say,
-                                           f"--methods {method}", lengths, decode)
+    given = sizes or ctx.step_sizes
+    sizes = covering(given, rows, ctx.model.device)
+    if rows and set(sizes) - set(given or sizes):
+        say(f"step sizes {','.join(map(str, sizes))}: with {','.join(map(str, sorted(set(sizes) - set(given))))}, "
+            "the most rows a level verifies in a call, which would run padded to the largest size")
+    ctx.compile_s[method] = compile_levels(levels, max(lengths), gguf, sizes, say, f"--methods {method}",
+                                           lengths, decode)
 
 
 @register("vanilla-compiled", MethodArg("DTYPE", check=_check_dtype_arg))
@@ -330,7 +336,7 @@ def _pld_compiled(ctx: BenchContext, arg: str | None) -> Runner:
     """pld with the target's steps compiled (models.static; a separate copy of the target)."""
     levels = [ModelLevel(_compiled_target(ctx, "pld-compiled").model, name="target"),
               NGramLevel(max_ngram=3, min_ngram=1, name="ngram")]
-    _compile_levels(ctx, levels, ctx.gguf, "pld-compiled")
+    _compile_levels(ctx, levels, ctx.gguf, "pld-compiled", rows=scored_rows(ctx.draft_tokens, None, 2))
     return _chain_runner(ctx, lambda: levels)
 
 
@@ -351,7 +357,7 @@ def _chain_compiled(ctx: BenchContext, arg: str | None) -> Runner:
     else:
         levels = parse_chain(arg, target, flag=f"--methods {method}", cache=ctx.compiled_levels)
         thresholds, k, adaptive, confidence = ctx.thresholds, None, None, 0.0
-    _compile_levels(ctx, levels, ctx.gguf, method)
+    _compile_levels(ctx, levels, ctx.gguf, method, rows=scored_rows(k or ctx.draft_tokens, thresholds, len(levels)))
     return _chain_runner(ctx, lambda: levels, thresholds, k, adaptive, confidence)
 
 
@@ -363,7 +369,7 @@ def _chain_drafts_compiled(ctx: BenchContext, arg: str | None) -> Runner:
     method = f"chain-drafts-compiled:{arg}"
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
     levels = parse_chain(arg, target, flag=f"--methods {method}", cache=ctx.drafts_compiled_levels)
-    _compile_levels(ctx, levels[1:], None, method)
+    _compile_levels(ctx, levels[1:], None, method, rows=scored_rows(ctx.draft_tokens, ctx.thresholds, len(levels))[1:])
     return _chain_runner(ctx, lambda: levels, ctx.thresholds)
 
 

@@ -109,7 +109,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     prompt, spec, thresholds = _precheck_generate(a)
     # the runtime, imported when the command runs (start-up time: `--help` and argument errors stay free of torch)
     from polybasic.models.prepare import check_compilable
-    from polybasic.models.static import decode_sizes
+    from polybasic.models.static import covering, decode_sizes
     from polybasic.quant.api import load_any_model
     from polybasic.runtime.chain import Chain, check_k
     from polybasic.runtime.chain_builder import build_chain
@@ -151,8 +151,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     if a.compile:
         say = lambda msg: print(f"[{msg}]", file=sys.stderr)  # noqa: E731
         say("compiling every level's steps: minutes the first time on a small CPU, seconds once cached")
-        if chain is not None:  # every step size: a chain's levels verify drafts
-            levels, sizes = chain.levels, None
+        if chain is not None:  # every step size (and the most rows a level verifies): a chain's levels verify drafts
+            levels, sizes = chain.levels, covering(None, chain.scored_rows, lm.model.device)
         else:  # plain decoding: the one-token step and the prefill chunk
             levels, sizes = [ModelLevel(lm.model)], decode_sizes(None, lm.model.device)
         times["compile"] = compile_levels(levels, min(lm.args.max_seq_len, len(ids) + a.max_new_tokens + 1),

@@ -46,6 +46,15 @@ def decode_sizes(sizes, device: torch.device) -> tuple[int, ...]:
     return (1, s[-1]) if len(s) > 1 else s
 
 
+def covering(sizes, rows, device: torch.device) -> tuple[int, ...]:
+    """`sizes` (None: the device's default) plus each of `rows` that no size but the largest (the prefill chunk)
+    holds, so that a call of that many rows runs at its own size instead of padded up to the chunk; rows that
+    a smaller size holds already are left (a size more costs a compile per model and cache size)."""
+    s = check_sizes(sizes or default_sizes(device))
+    below = s[-2] if len(s) > 1 else 0  # the largest size short of the chunk
+    return tuple(sorted(set(s) | {int(r) for r in rows if below < r < s[-1]}))
+
+
 def cache_dir() -> str:
     """Where inductor keeps compiled steps across runs ($TORCHINDUCTOR_CACHE_DIR, torch's default
     /tmp/torchinductor_$USER when unset)."""

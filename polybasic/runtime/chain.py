@@ -67,6 +67,7 @@ class Chain:
                                   f"target's {vocab}; every level must share the target's tokenizer")
         _check_tokenizers(levels)
         self.levels, self.k, self.thresholds = levels, k, [None] + thresholds + [None]
+        self.scored_rows = scored_rows(k, thresholds, len(levels))  # the most rows each level scores in a call
         self.eos = frozenset(eos)
         self.adaptive_k = adaptive_k
         self.draft_confidence = draft_confidence
@@ -185,6 +186,20 @@ class Chain:
                                                                self.draft_confidence):
                 break
         return tokens, torch.cat(rows)
+
+
+def scored_rows(k: int, thresholds: Sequence[int] | None, n_levels: int) -> list[int]:
+    """The most token rows each level but the bottom scores in one call (target first): a level scores the
+    draft the level below hands up, plus one. The bottom hands up at most k; a middle level with threshold t
+    stops once it holds t tokens, after a round of at most (the hand-up below) + 1, so it hands up at most
+    t + (the hand-up below). Compiled steps should cover these sizes, or such calls run padded to the prefill
+    chunk (docs/results.md: a 1.5B target's 10-row verifications padded to 64 rows)."""
+    ts = [k + 1] * (n_levels - 2) if thresholds is None else list(thresholds)
+    up, rows = k, []
+    for t in reversed(ts):  # middle levels, bottom-most first
+        rows.append(up + 1)
+        up += t
+    return [up + 1, *reversed(rows)]
 
 
 def check_k(k: int) -> None:

@@ -223,6 +223,20 @@ def test_plain_decoding_needs_only_the_decode_sizes():
     assert compiled._static.compiles == warm, "plain decoding ran a step size decode_sizes left out"
 
 
+def test_covering_adds_the_rows_only_the_prefill_chunk_would_hold():
+    """A chain's largest verification gets its own step size where it would otherwise run padded to the chunk;
+    rows a smaller size holds add nothing (each size costs a compile)."""
+    from polybasic.models.static import STEP_SIZES, covering
+
+    cpu = torch.device("cpu")
+    assert covering([1, 2, 4, 64], [6, 2], cpu) == (1, 2, 4, 6, 64)
+    assert covering([1, 2, 4, 6, 9, 64], [10, 2], cpu) == (1, 2, 4, 6, 9, 10, 64)  # 10 rows: not padded to 64
+    assert covering(None, [14, 2], cpu) == tuple(sorted(STEP_SIZES))  # 14 pads to 16, a size already
+    assert covering([1, 64], [64, 80], cpu) == (1, 64)  # at or past the chunk: prefill-sized calls
+    with pytest.raises(ConfigError, match="must include 1"):
+        covering([2, 64], [6], cpu)
+
+
 def test_caches_that_only_grow_keep_their_size_class():
     """On CUDA (StaticSteps.shrink False) a compiled model's caches only grow: a short request after a long
     one keeps the long one's size class (no other graph), and compile_levels warms that class alone;

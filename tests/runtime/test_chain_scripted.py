@@ -164,3 +164,26 @@ def test_ngram_lookup_prefers_longest_latest_match():
     assert ng.lookup([5, 6, 7, 9, 5, 6, 7, 8, 1, 5, 6, 7], 3) == [8, 1, 5]
     assert ng.lookup([1, 2, 3], 4) == []
     assert ng.lookup([4, 9, 4], 2) == [9, 4]
+
+
+@pytest.mark.parametrize("k,thresholds", [(1, [4]), (3, [5, 4]), (2, [1, 7]), (4, [])])
+def test_no_level_scores_more_rows_in_a_call_than_scored_rows_says(k, thresholds):
+    """Chain.scored_rows (what compiled steps must cover, or a call runs padded to the prefill chunk) bounds every
+    level's calls under partial acceptance, and is reached."""
+    wrong_every = [None] + [3 + i for i in range(len(thresholds) + 1)]  # each drafter errs at its own positions
+    models = [target_model()] + [ScriptedLM(V, counting(lambda pos, n=n: 2 if pos % n == 0 else 1))
+                                 for n in wrong_every[1:]]
+    levels = [level(m, f"l{i}") for i, m in enumerate(models)]
+    seen = [0] * (len(levels) - 1)
+    for i, lvl in enumerate(levels[:-1]):
+        def recording(ctx, draft, sampling, i=i, score=lvl.score):
+            seen[i] = max(seen[i], len(draft) + 1)
+            return score(ctx, draft, sampling)
+        lvl.score = recording
+    chain = Chain(levels, k=k, thresholds=thresholds, eos=frozenset())
+    out, _ = chain.generate([2], 80)
+    assert out == reference([2], 80, eos=frozenset())
+    assert all(s <= b for s, b in zip(seen, chain.scored_rows)), (seen, chain.scored_rows)
+    assert seen[-1] == chain.scored_rows[-1] == k + 1  # the level above the bottom scores k drafts + 1
+    if len(thresholds) == 1:  # a partial acceptance then a full round: the middle hands up t - 1 + k + 1
+        assert seen == chain.scored_rows
