@@ -79,10 +79,10 @@ def _group(records: list[Record], reference: dict, greedy: bool, compiled: dict 
            if taus and len(taus) == len(records) else None)
     acc = [a for r in records for a in (r.accepted or [])]
     out = {"tokens_per_s": tps, "tau": tau,
-            # the bottom drafter's mean accepted length: accepted drafts + 1 per verification
-            "accept_len": 1 + sum(acc) / len(acc) if acc else None,
-            "identical_to_vanilla": f"{_same(records, reference)}/{len(records)}" if greedy else None,
-            "new_tokens": tokens, "wall_s": wall, "prompts": len(records)}
+           # the bottom drafter's mean accepted length: accepted drafts + 1 per verification
+           "accept_len": 1 + sum(acc) / len(acc) if acc else None,
+           "identical_to_vanilla": f"{_same(records, reference)}/{len(records)}" if greedy else None,
+           "new_tokens": tokens, "wall_s": wall, "prompts": len(records)}
     if greedy and compiled:  # the run has vanilla-compiled: the tokens a compiled chain must equal
         out["identical_to_vanilla_compiled"] = f"{_same(records, compiled)}/{len(records)}"
     return out
