@@ -48,13 +48,15 @@ class Factors:
     o8: Tensor  # [N, groups] int8
 
     def expand(self) -> Tensor:
-        """[N, K] fp32: the values the kernel multiplies, gguf's own dequantized values bit for bit (each exact
-        in float64 and rounded once, as gguf rounds its fp32 formulas' one inexact step)."""
+        """[N, K] fp32: the values the kernel multiplies, gguf's own dequantized values bit for bit. 4-bit codes
+        in fp32 (s * u is exact, 21 bits, so adding o rounds once, as gguf's d * sc * q - dmin * m does); 8-bit
+        codes through float64 (s * u may need 25 bits), rounded once."""
         n, k = self.u.shape
         group = w4a8.GROUPS[self.bits]
-        per = lambda d, q: d.double().repeat_interleave(256 // group, 1) * q.double()  # noqa: E731  [N, groups]
+        dt = torch.float32 if self.bits == 4 else torch.float64
+        per = lambda d, q: d.to(dt).repeat_interleave(256 // group, 1) * q.to(dt)  # noqa: E731  [N, groups]
         s, o = per(self.ds, self.s8), per(self.do, self.o8)
-        return (self.u.double().view(n, -1, group) * s[..., None] + o[..., None]).view(n, k).float()
+        return torch.addcmul(o[..., None], self.u.to(dt).view(n, -1, group), s[..., None]).view(n, k).float()
 
     def rows(self, index: Tensor) -> "Factors":
         return Factors(self.bits, *(t[index] for t in (self.u, self.ds, self.s8, self.do, self.o8)))
