@@ -194,10 +194,10 @@ def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: 
     cap = ctx.model.args.max_seq_len
     lengths = [min(cap, n + ctx.max_new_tokens + 1) for n in ctx.prompt_tokens] or [min(cap, 256)]
     say = lambda msg: print(f"[{method}: {msg}]", file=sys.stderr)  # noqa: E731
-    given = sizes or ctx.step_sizes
+    given = covering(sizes or ctx.step_sizes, (), ctx.model.device)  # checked, the device's default if none
     sizes = covering(given, rows, ctx.model.device)
-    if rows and set(sizes) - set(given or sizes):
-        say(f"step sizes {','.join(map(str, sizes))}: with {','.join(map(str, sorted(set(sizes) - set(given))))}, "
+    if added := sorted(set(sizes) - set(given)):
+        say(f"step sizes {','.join(map(str, sizes))}: with {','.join(map(str, added))}, "
             "the most rows a level verifies in a call, which would run padded to the largest size")
     ctx.compile_s[method] = compile_levels(levels, max(lengths), gguf, sizes, say, f"--methods {method}",
                                            lengths, decode)

@@ -61,7 +61,8 @@ def _rows(doc: dict) -> tuple[list[str], list[list[str]]]:
     rows = [[m, _f(v["tokens_per_s"], ".2f"), _f(v["speedup"], ".2f") + "x",
              _f(v.get("speedup_vs_fastest_vanilla"), ".2f") + "x", _f(v.get("median_speedup"), ".2f") + "x",
              _f(v["tau"], ".2f"), _f(v.get("accept_len"), ".2f"), _links(v.get("links")),
-             v["identical_to_vanilla"] or "n/a", *([v.get("identical_to_vanilla_compiled") or "n/a"] if compiled else []),
+             v["identical_to_vanilla"] or "n/a",
+             *([v.get("identical_to_vanilla_compiled") or "n/a"] if compiled else []),
              _f(v["predicted_speedup"], ".2f")]
             for m, v in doc["methods"].items()]
     return head, rows

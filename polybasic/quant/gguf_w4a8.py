@@ -154,7 +154,7 @@ def _coded(lin: nn.Linear, tensors: list[Factors], where: dict[int, tuple[int, i
         return None
     parts = []
     for start, end, bits in _runs(hits, tensors):
-        if (end - start) % TILE or lin.in_features % w4a8.GROUPS[bits] or lin.in_features % 256:
+        if (end - start) % TILE or lin.in_features % 256:  # whole tiles of rows, whole super-blocks of columns
             return None
         f = _gather(tensors, hits[start:end], bits)
         if not torch.equal(f.expand().to(lin.weight.dtype), lin.weight[start:end]):

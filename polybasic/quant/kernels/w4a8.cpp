@@ -38,7 +38,7 @@
 namespace {
 
 // a layout of codes W bits wide (4 or 8): G columns per group (weights and activations), SB groups per
-// super-block of 256 columns, activation bytes per code load (4-bit: 4 low-nibble + 4 high-nibble columns)
+// super-block of 256 columns
 template <int W>
 struct Width {
   static constexpr int64_t G = W == 4 ? 32 : 16;
