@@ -13,21 +13,29 @@ block type (Q5_K, Q8_0, F16, ...) keep their dense weights and kernels.
 `bind(model, gguf)` finds each linear's rows among the file's by content, as models.gguf_codes.attach_codes
 does (the weight rows in the model's dtype against the file's rows expanded and rounded to it, then every
 row checked whole), and swaps the linears it can hold for GGUFLinear. Reached as `--model NAME@w4a8`
-(quant.api.load_any_model).
+(quant.api.load_any_model). Binding a 1.5B model takes ~35 s on 2 cores, so its result (every swapped linear's
+tiles) is cached per GGUF file, dtype and code version under $POLYBASIC_CACHE/w4a8 (`cache_file`); later loads
+read it back in seconds.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from polybasic.artifacts import atomic_path
 from polybasic.errors import ConfigError
 from polybasic.models.gguf_codes import k_factors, q4k_codes, q6k_factors, rows_by_tensor
 from polybasic.models.gguf_index import read_tensor_infos
+from polybasic.models.registry import cache_root
 import polybasic.quant.w4a8 as w4a8
 
 log = logging.getLogger(__name__)
@@ -175,27 +183,93 @@ def check(device: str | torch.device) -> None:
                           f"({why}); drop '@w4a8'")
 
 
-def bind(model: nn.Module, gguf: str | Path) -> tuple[int, int]:
+def bind(model: nn.Module, gguf: str | Path, cache: bool = True) -> tuple[int, int]:
     """Swap every nn.Linear of `model` (on a CPU) whose rows a GGUF file holds as Q4_K or Q6_K for a GGUFLinear
-    over those codes; returns (swapped, linears). Raises ConfigError where the kernel cannot run here."""
+    over those codes; returns (swapped, linears). Raises ConfigError where the kernel cannot run here.
+    cache: read the swaps from `cache_file` when it is there, else find them and write it."""
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     check(linears[0][1].weight.device if linears else "cpu")
+    path = cache_file(gguf, linears) if cache else None
+    coded = _read_cache(path, linears) if path is not None and path.is_file() else None
+    if coded is None:
+        coded = _find(linears, gguf, {m.weight.dtype for _, m in linears})
+        if path is not None:
+            _write_cache(path, coded)
+    for name, new in coded.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    log.info("%d of %d linears run the GGUF's codes on the kernel w4a8", len(coded), len(linears))
+    return len(coded), len(linears)
+
+
+def _find(linears: list[tuple[str, nn.Linear]], gguf: str | Path, dtypes: set) -> dict[str, GGUFLinear]:
+    """{name: its GGUFLinear} for the linears whose rows the file holds as Q4_K/Q6_K codes (matched by content)."""
     tensors = read_factors(gguf)
-    dtypes = {m.weight.dtype for _, m in linears}
     where: dict[int, tuple[int, int]] = {}  # hash of a row rounded to the model's dtype -> (tensor, row)
     for ti, f in enumerate(tensors):
         values = f.expand()
         for dtype in dtypes:
             for ri, key in enumerate(_keys(values.to(dtype))):
                 where.setdefault(key, (ti, ri))
-    swapped = 0
+    coded = {}
     for name, lin in linears:
         new = _coded(lin, tensors, where)
         if new is None:
             log.info("%s keeps its dense weight (not all of its rows are Q4_K/Q6_K rows of %s)", name, gguf)
-            continue
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, new)
-        swapped += 1
-    log.info("%d of %d linears run the GGUF's codes on the kernel w4a8", swapped, len(linears))
-    return swapped, len(linears)
+        else:
+            coded[name] = new
+    return coded
+
+
+def cache_file(gguf: str | Path, linears: list[tuple[str, nn.Linear]]) -> Path:
+    """Where bind keeps the swaps of these linears: keyed by the GGUF file (path, size, mtime), the linears (names,
+    shapes, dtypes, first and last rows) and the code that packs and runs the tiles (this module and the kernel's
+    source), so that another file, model, dtype or layout never reads a stale one."""
+    p = Path(gguf).resolve()
+    st = p.stat()
+    h = hashlib.sha256(b"\0".join([str(p).encode(), str(st.st_size).encode(), str(st.st_mtime_ns).encode(),
+                                    Path(__file__).read_bytes(), w4a8.SOURCE.read_bytes()]))
+    for name, lin in linears:
+        w = lin.weight.detach()
+        h.update(f"{name}{tuple(w.shape)}{w.dtype}".encode())
+        h.update(w[[0, -1]].contiguous().view(torch.uint8).numpy().tobytes())
+    return cache_root() / "w4a8" / f"{p.stem}-{h.hexdigest()[:16]}.safetensors"
+
+
+def _write_cache(path: Path, coded: dict[str, GGUFLinear]) -> None:
+    """The swaps as one safetensors file (tensors NAME.tiles0.., NAME.bias; shapes and widths in its metadata),
+    written atomically; a failure only costs the next load the search."""
+    tensors, meta = {}, {}
+    for name, lin in coded.items():
+        for i in range(len(lin.bits)):
+            tensors[f"{name}.tiles{i}"] = getattr(lin, f"tiles{i}")
+        if lin.bias is not None:
+            tensors[f"{name}.bias"] = lin.bias
+        meta[name] = [lin.in_features, lin.out_features, list(lin.bits)]
+    try:
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"linears": json.dumps(meta)})
+        log.info("the w4a8 binding cached in %s for the next load", path)
+    except OSError as e:
+        log.warning("could not cache the w4a8 binding in %s (%s); the next load binds again", path, e)
+
+
+def _read_cache(path: Path, linears: list[tuple[str, nn.Linear]]) -> dict[str, GGUFLinear] | None:
+    """bind's swaps from `path`, or None (logged) when it cannot be read or does not fit the model's linears."""
+    shapes = {name: (lin.in_features, lin.out_features) for name, lin in linears}
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["linears"])
+            misfit = next((name for name, (k, n, _) in meta.items() if shapes.get(name) != (k, n)), None)
+            if misfit is not None:
+                log.warning("ignoring the cached w4a8 binding %s: it does not fit this model's %s; binding again",
+                            path, misfit)
+                return None
+            coded = {name: GGUFLinear(k, n, [(b, f.get_tensor(f"{name}.tiles{i}")) for i, b in enumerate(bits)],
+                                      f.get_tensor(f"{name}.bias") if f"{name}.bias" in f.keys() else None)
+                     for name, (k, n, bits) in meta.items()}
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring the cached w4a8 binding %s (%s): binding again", path, e)
+        return None
+    log.info("the w4a8 binding read from %s", path)
+    return coded

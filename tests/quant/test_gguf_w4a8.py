@@ -74,6 +74,42 @@ def test_bind_swaps_the_q4k_and_q6k_linears_and_keeps_the_others(tiny_gguf):
     assert not torch.equal(got, want) and (got - want).abs().max() < 0.05 * want.abs().max()
 
 
+def test_a_binding_is_cached_per_file_and_model_and_a_bad_cache_is_rebuilt(tiny_gguf, monkeypatch, caplog):
+    needs_vnni()
+    first = load_any_model(f"{tiny_gguf}@w4a8", "bfloat16").model
+    linears = [(n, m) for n, m in load_model(str(tiny_gguf), "bfloat16").model.named_modules()
+               if type(m) is torch.nn.Linear]
+    cached = gguf_w4a8.cache_file(tiny_gguf, linears)
+    assert [p.name for p in cached.parent.iterdir()] == [cached.name]  # written once, atomically
+    real_find = gguf_w4a8._find
+    monkeypatch.setattr(gguf_w4a8, "_find", lambda *a: pytest.fail("searched again despite the cache"))
+    again = load_any_model(f"{tiny_gguf}@w4a8", "bfloat16").model
+    assert sorted(first.state_dict(keep_vars=True)) == sorted(again.state_dict(keep_vars=True))
+    swapped = [(n, m) for n, m in first.named_modules() if isinstance(m, gguf_w4a8.GGUFLinear)]
+    assert swapped and all(torch.equal(getattr(m, f"tiles{i}"), getattr(again.get_submodule(n), f"tiles{i}"))
+                           and m.bits == again.get_submodule(n).bits for n, m in swapped for i in range(len(m.bits)))
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    for m in (first, again):
+        m.setup_caches(32)
+    with torch.inference_mode():
+        assert torch.equal(first(ids, 0)[0], again(ids, 0)[0])
+    assert gguf_w4a8.cache_file(tiny_gguf, linears[1:]) != cached  # another model's linears: another file
+    os.utime(tiny_gguf, ns=(1, 1))
+    assert gguf_w4a8.cache_file(tiny_gguf, linears) != cached  # a changed file: another key
+    os.utime(tiny_gguf, ns=(1, 2))  # back to one key, whose cache is then corrupted
+    cached = gguf_w4a8.cache_file(tiny_gguf, linears)
+    monkeypatch.setattr(gguf_w4a8, "_find", real_find)
+    load_any_model(f"{tiny_gguf}@w4a8", "bfloat16")
+    cached.write_bytes(cached.read_bytes()[:100])
+    with caplog.at_level("WARNING"):
+        rebuilt = load_any_model(f"{tiny_gguf}@w4a8", "bfloat16").model
+    assert "ignoring the cached w4a8 binding" in caplog.text
+    rebuilt.setup_caches(32)
+    with torch.inference_mode():
+        assert torch.equal(rebuilt(ids, 0)[0], first(ids, 0)[0])
+    assert gguf_w4a8._read_cache(cached, linears) is not None  # rewritten whole
+
+
 def test_a_chain_over_a_w4a8_target_is_greedy_identical_eager_and_compiled(tiny_gguf):
     """The kernel gives a row the same bits alone and among a verification's rows, so the chain's output is the
     target's own greedy decoding, with rejections (the drafter is the same file in bf16) and rollbacks."""

@@ -26,7 +26,8 @@ def reference(x, u, s, o, group=32):
     m, k = x.shape
     xg = x.float().view(m, k // group, group)
     amax = xg.abs().amax(-1, keepdim=True)
-    xq = torch.where(amax > 0, torch.round(xg * (127 / amax)), torch.zeros_like(xg)).double()
+    inv = torch.full_like(amax, 127.0) / amax  # IEEE division, as the kernel's (torch's 127 / t can be 1 ulp off)
+    xq = torch.where(amax > 0, torch.round(xg * inv), torch.zeros_like(xg)).double()
     a, xsum = (amax[..., 0] / 127).double(), xg.sum(-1).double()  # [M, G]
     dots = torch.einsum("mgk,ngk->mng", xq, u.double().view(u.shape[0], -1, group))  # [M, N, G]
     scaled, offset = dots * s.double()[None] * a[:, None], o.double()[None] * xsum[:, None]
@@ -49,7 +50,8 @@ def paths():
 
 
 @needs_cxx
-@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 576), (32, 1024)])  # 1, 3, 18 (8 + 8 + 2) and 32 groups
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 576), (32, 1024), (128, 8192)])  # 1, 3, 18 (8 + 8 + 2), 32
+# and 256 groups
 def test_kernel_equals_its_float64_reference_on_every_path(n, k):
     w4a8.build()
     ops = torch.ops.polybasic_w4a8
