@@ -3,7 +3,7 @@ llama.cpp computes it (the weights' codes times int8 activations), every row by 
 
 A Q4_K row is 4-bit codes c, value d * sc * c - dmin * m per group of 32 (sc, m 6-bit, d, dmin fp16 per 256
 columns): the kernel's 4-bit tiles hold it exactly (ds = d, s8 = sc, do = -dmin, o8 = m). A Q6_K row is 6-bit
-codes q, value d * sc * (q - 32) per group of 16 (sc int8, d fp16 per 256 columns): the 8-bit tiles hold it
+codes q, value d * sc * (q - 32) per group of 16 (sc int8, d fp16 per 256 columns): the 6-bit tiles hold it
 exactly as u = q, s = d * sc, o = -32 * d * sc (do = -32 d, o8 = sc). So the kernel multiplies the file's
 weights, bit for bit in fp32; only the activations are rounded, to 8 bits per group of 32 (16 for Q6_K rows),
 as llama.cpp rounds them (per 256 in its Q8_K). The kernel is row-invariant, so a target's one-token steps
@@ -14,7 +14,7 @@ block type (Q5_K, Q8_0, F16, ...) keep their dense weights and kernels.
 does (the weight rows in the model's dtype against the file's rows expanded and rounded to it, then every
 row checked whole), and swaps the linears it can hold for GGUFLinear. Reached as `--model NAME@w4a8`
 (quant.api.load_any_model). Binding a 1.5B model takes ~35 s on 2 cores, so its result (every swapped linear's
-tiles) is cached per GGUF file, dtype and code version under $POLYBASIC_CACHE/w4a8 (`cache_file`); later loads
+tiles) is cached per GGUF file, model and code version under $POLYBASIC_CACHE/w4a8 (`cache_file`); later loads
 read it back in seconds.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import polybasic.quant.w4a8 as w4a8
 
 log = logging.getLogger(__name__)
 
-BITS = {"Q4_K": 4, "Q6_K": 8}  # the block types the kernel holds exactly -> the width of its codes there
+BITS = {"Q4_K": 4, "Q6_K": 6}  # the block types the kernel holds exactly -> the width of its codes there
 TILE = w4a8.TILE
 
 
@@ -57,7 +57,7 @@ class Factors:
 
     def expand(self) -> Tensor:
         """[N, K] fp32: the values the kernel multiplies, gguf's own dequantized values bit for bit. 4-bit codes
-        in fp32 (s * u is exact, 21 bits, so adding o rounds once, as gguf's d * sc * q - dmin * m does); 8-bit
+        in fp32 (s * u is exact, 21 bits, so adding o rounds once, as gguf's d * sc * q - dmin * m does); 6-bit
         codes through float64 (s * u may need 25 bits), rounded once."""
         n, k = self.u.shape
         group = w4a8.GROUPS[self.bits]
@@ -85,7 +85,7 @@ def factors(kind: str, raw: np.ndarray, n: int, k: int) -> Factors:
         do = t(-32 * d, torch.float16)
         if not torch.isfinite(do).all():
             raise ValueError("a Q6_K block's d is too large for the kernel's fp16 offset factor (-32 d)")
-        return Factors(8, t(q, torch.uint8), t(d, torch.float16), t(sc, torch.int8), do, t(sc, torch.int8))
+        return Factors(6, t(q, torch.uint8), t(d, torch.float16), t(sc, torch.int8), do, t(sc, torch.int8))
     raise ValueError(f"GGUF block type {kind}: the kernel holds only {', '.join(BITS)} exactly")
 
 
@@ -100,7 +100,7 @@ def read_factors(path: str | Path) -> list[Factors]:
 
 
 class GGUFLinear(nn.Module):
-    """A linear over a GGUF's own codes on the kernel 'w4a8': its output rows as runs of 4-bit (Q4_K) and 8-bit
+    """A linear over a GGUF's own codes on the kernel 'w4a8': its output rows as runs of 4-bit (Q4_K) and 6-bit
     (Q6_K) tiles (a fused [q; k; v] may mix them), each run one kernel call; computed in x's dtype."""
 
     def __init__(self, in_features: int, out_features: int, parts: list[tuple[int, Tensor]], bias: Tensor | None):

@@ -1,4 +1,4 @@
-"""The CPU kernel 'w4a8': 4-bit (or 8-bit) weight codes x int8 activations (AVX-512 VNNI), built on first use.
+"""The CPU kernel 'w4a8': 4-bit (or 6-bit) weight codes x int8 activations (AVX-512 VNNI), built on first use.
 
 kernels/w4a8.cpp holds the arithmetic and the layout (see its header). models.native compiles it for this
 CPU on first use (cached), then it is loaded as torch.ops.polybasic_w4a8.{gemm, vnni}. A fake (meta)
@@ -18,9 +18,10 @@ from torch import Tensor
 from polybasic.models.native import load_ops, usable
 
 # as in kernels/w4a8.cpp: columns per group (4-bit codes), rows per tile, groups per super-block, bytes of a
-# (tile, super-block) header and of a (tile, group) block; 8-bit codes come in groups of 16, 16 to a super-block
-GROUP, TILE, SUPER, HEAD, BLOCK = 32, 16, 8, 64, 288
-GROUPS = {4: GROUP, 8: 16}  # code bits -> columns per group
+# (tile, super-block) header; 6-bit codes come in groups of 16, 16 to a super-block
+GROUP, TILE, SUPER, HEAD = 32, 16, 8, 64
+GROUPS = {4: GROUP, 6: 16}  # code bits -> columns per group
+BLOCKS = {4: 288, 6: 224}  # code bits -> bytes of a (tile, group) block: the codes, then 16 s8 and 16 o8
 SOURCE = files("polybasic.quant") / "kernels" / "w4a8.cpp"
 
 
@@ -44,7 +45,7 @@ def status() -> tuple[bool, str]:
 def tile_bytes(k: int, bits: int = 4) -> int:
     """Bytes of one row tile's stream for k input columns of `bits`-bit codes."""
     g, per = k // GROUPS[bits], 256 // GROUPS[bits]
-    return -(-g // per) * HEAD + g * BLOCK
+    return -(-g // per) * HEAD + g * BLOCKS[bits]
 
 
 def factor(v: Tensor) -> tuple[Tensor, Tensor]:
@@ -83,17 +84,20 @@ def pack(u: Tensor, s: Tensor, o: Tensor) -> Tensor:
 
 
 def pack_factors(u: Tensor, ds: Tensor, s8: Tensor, do: Tensor, o8: Tensor, bits: int = 4) -> Tensor:
-    """Codes u [N, K] (in [0, 15] for 4 bits, [0, 255] for 8), and w = s * u + o with s = ds * s8, o = do * o8
-    per group (32 columns for 4 bits, 16 for 8): ds, do [N, K/256] fp16 per super-block, s8, o8 [N, groups]
+    """Codes u [N, K] (in [0, 15] for 4 bits, [0, 63] for 6), and w = s * u + o with s = ds * s8, o = do * o8
+    per group (32 columns for 4 bits, 16 for 6): ds, do [N, K/256] fp16 per super-block, s8, o8 [N, groups]
     int8 -> the kernel's tiles [N/16, tile_bytes(K, bits)] uint8 (layout in kernels/w4a8.cpp): per row tile,
-    super-blocks of a 64-byte header (ds, then do, per row) and 288 bytes per group (codes, s8, o8)."""
+    super-blocks of a 64-byte header (ds, then do, per row) and BLOCKS[bits] bytes per group (codes, s8, o8)."""
     n, k = u.shape
     t, g, per = n // TILE, k // GROUPS[bits], 256 // GROUPS[bits]
     if bits == 4:
         u6 = u.to(torch.uint8).view(t, TILE, g, 2, 4, 4)  # [tile, row, group, half, load, byte]
         codes = (u6[:, :, :, 0] | (u6[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(t, g, 256)
-    else:
-        codes = u.to(torch.uint8).view(t, TILE, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 256)
+    else:  # words L = 0..3 (4 columns each) of every row: low nibbles of L and L + 2 share a byte, top 2 bits in a third
+        words = u.to(torch.uint8).view(t, TILE, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 4, 64)
+        low, high = words & 15, words >> 4  # [t, g, word, 64]
+        tops = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+        codes = torch.cat([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4), tops], -1)
     per_group = [v.to(torch.int8).view(t, TILE, g).transpose(1, 2).contiguous().view(torch.uint8) for v in (s8, o8)]
     blocks = torch.cat([codes, *per_group], -1)  # [t, g, 288]
     heads = torch.cat([v.half().view(t, TILE, -1).transpose(1, 2).contiguous().view(torch.uint8)

@@ -62,8 +62,8 @@ def test_bind_swaps_the_q4k_and_q6k_linears_and_keeps_the_others(tiny_gguf):
     lm = load_any_model(f"{tiny_gguf}@w4a8", "bfloat16")
     ref = load_model(str(tiny_gguf), "bfloat16").model
     attn, ffn = lm.model.layers[0].attention, lm.model.layers[0].feed_forward
-    assert attn.wqkv.bits == (4, 8) and ffn.w13.bits == (4, 8) and attn.wo.bits == (4,)  # [q; k] Q4_K, v Q6_K
-    assert lm.model.output.bits == (8,) and type(ffn.w2) is torch.nn.Linear  # the head Q6_K; down Q5_0: dense
+    assert attn.wqkv.bits == (4, 6) and ffn.w13.bits == (4, 6) and attn.wo.bits == (4,)  # [q; k] Q4_K, v Q6_K
+    assert lm.model.output.bits == (6,) and type(ffn.w2) is torch.nn.Linear  # the head Q6_K; down Q5_0: dense
     assert lm.name == f"{tiny_gguf}@w4a8"
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
     for m in (lm.model, ref):

@@ -35,7 +35,7 @@ def reference(x, u, s, o, group=32):
 
 
 def q6k_like(n, k, g):
-    """Random Q6_K-like rows as the kernel's 8-bit factors: codes u = q + 32 in [0, 63], s = d * sc per 16
+    """Random Q6_K-like rows as the kernel's 6-bit factors: codes u = q in [0, 63], s = d * sc per 16
     columns (int8 sc, fp16 d per 256), o = -32 s -> (u, (ds, s8, do, o8), s, o)."""
     u = torch.randint(0, 64, (n, k), generator=g)
     ds = (torch.rand(n, -(-k // 256), generator=g) * 1e-3 + 1e-4).half()
@@ -74,31 +74,31 @@ def test_kernel_equals_its_float64_reference_on_every_path(n, k):
 
 @needs_cxx
 @pytest.mark.parametrize("n,k", [(16, 16), (32, 272), (16, 1536)])  # 1, 17 (16 + 1) and 96 groups of 16
-def test_8bit_codes_equal_their_float64_reference_on_every_path(n, k):
+def test_6bit_codes_equal_their_float64_reference_on_every_path(n, k):
     w4a8.build()
     g = torch.Generator().manual_seed(n + k)
     u, factors, s, o = q6k_like(n, k, g)
-    tiles = w4a8.pack_factors(u, *factors, bits=8)
-    assert tiles.shape == (n // 16, w4a8.tile_bytes(k, 8))
+    tiles = w4a8.pack_factors(u, *factors, bits=6)
+    assert tiles.shape == (n // 16, w4a8.tile_bytes(k, 6)) == (n // 16, -(-k // 256) * 64 + k // 16 * 224)
     for m in (1, 3, 8, 9):
         x = torch.randn(m, k, generator=g)
         x[0, :16] = 0
         ref, mags = reference(x, u, s, o, group=16)
         for plain in paths():
-            y = torch.ops.polybasic_w4a8.gemm(x, tiles, plain, 8)
+            y = torch.ops.polybasic_w4a8.gemm(x, tiles, plain, 6)
             assert ((y.double() - ref).abs() <= 1e-5 * mags + 1e-6).all(), (m, plain)
 
 
 @needs_cxx
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6])
 def test_every_row_has_the_same_bits_alone_and_among_others(bits):
     """What a target's kernel must give: a verification's rows equal one-token steps bit for bit."""
     w4a8.build()
     g = torch.Generator().manual_seed(bits)
     n, k = 32, 512
-    if bits == 8:
+    if bits == 6:
         u, factors, *_ = q6k_like(n, k, g)
-        tiles = w4a8.pack_factors(u, *factors, bits=8)
+        tiles = w4a8.pack_factors(u, *factors, bits=6)
     else:
         tiles = w4a8.pack(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // 32, generator=g) * 0.02,
                           -torch.rand(n, k // 32, generator=g) * 0.1)
@@ -149,8 +149,8 @@ def test_kernel_refuses_a_mismatched_input():
     tiles = w4a8.pack(torch.zeros(16, 64, dtype=torch.long), torch.ones(16, 2), torch.zeros(16, 2))
     with pytest.raises(RuntimeError, match="columns"):
         w4a8.mm(torch.randn(1, 32), tiles)
-    with pytest.raises(RuntimeError, match="bytes"):  # the same bytes as 8-bit codes of 32 columns: named, not guessed
-        w4a8.mm(torch.randn(1, 64), tiles, bits=8)
+    with pytest.raises(RuntimeError, match="bytes"):  # the width is named, never guessed from the bytes (4-bit
+        w4a8.mm(torch.randn(1, 64), tiles, bits=6)  # tiles of 448 columns have the bytes of 6-bit ones of 288)
 
 
 @needs_cxx

@@ -1,11 +1,11 @@
-// W4A8 GEMV/GEMM for CPUs with AVX-512 VNNI: 4-bit (or 8-bit) weight codes x int8 activations, the CPU
+// W4A8 GEMV/GEMM for CPUs with AVX-512 VNNI: 4-bit (or 6-bit) weight codes x int8 activations, the CPU
 // kernel 'w4a8' (polybasic/quant/w4a8.py builds it on first use and packs the layout;
 // experiments/w4a8_kernel.py measures it).
 //
 // y[m, n] = sum_g ( s[n,g] * a[m,g] * sum_{k in g} u[n,k] * xq[m,k]  +  o[n,g] * xsum[m,g] )
 // u: the weight's codes (w = s * u + o), in [0, 15] in groups g of 32 input columns (4-bit tiles), or in
-// [0, 255] in groups of 16 (8-bit tiles: llama.cpp's Q6_K, whose scales are per 16 columns, holds exactly
-// as u = q + 32, o = -32 s). The scales and offsets are 8-bit per group times an fp16 factor per row and
+// [0, 63] in groups of 16 (6-bit tiles: llama.cpp's Q6_K, whose scales are per 16 columns, holds exactly
+// as u = q, o = -32 s). The scales and offsets are 8-bit per group times an fp16 factor per row and
 // super-block of 256 columns (8 groups of 32 or 16 of 16), as in llama.cpp's Q4_K and Q6_K: s = ds * s8,
 // o = dof * o8 (exact in fp32). Activations are quantized per group (32 or 16) at every call:
 // a = max|x| / 127, xq = round(x / a); xsum is the exact sum of x. Every output row is computed by the
@@ -14,13 +14,15 @@
 //
 // Layout, [N/16, bytes per tile]: row tile t (rows 16t..16t+15) is one stream of super-blocks, each
 // 64 bytes of header (16 fp16 ds, then 16 fp16 dof: one per row) and then, per group of the super-block
-// (fewer in the last), 288 bytes: 256 of codes, 16 int8 s8 and 16 int8 o8 (one per row): 4.625 bits a
-// weight in 4-bit tiles, 9.25 in 8-bit ones. In 4-bit codes, load L (0..3) is 64 bytes whose byte 4i+c
-// holds u[16t+i, 32g+4L+c] in its low nibble and u[16t+i, 32g+16+4L+c] in its high one: split into
-// nibbles, one load gives each row (a 32-bit lane) 4 + 4 consecutive codes, what vpdpbusd multiplies with
-// 4 activation bytes broadcast to every lane. In 8-bit codes, byte 4i+c of load L holds u[16t+i, 16g+4L+c].
-// The op takes the width as an argument (tiles of 4-bit codes for K columns have the bytes of 8-bit ones
-// for K/2).
+// (fewer in the last), the codes (256 bytes in 4-bit tiles, 192 in 6-bit ones), 16 int8 s8 and 16 int8 o8
+// (one per row): 4.625 bits a weight in 4-bit tiles, 7.25 in 6-bit ones. In 4-bit codes, load L (0..3) is
+// 64 bytes whose byte 4i+c holds u[16t+i, 32g+4L+c] in its low nibble and u[16t+i, 32g+16+4L+c] in its high
+// one: split into nibbles, one load gives each row (a 32-bit lane) 4 + 4 consecutive codes, what vpdpbusd
+// multiplies with 4 activation bytes broadcast to every lane. In 6-bit codes, word L (0..3) of a row is
+// u[16t+i, 16g+4L..4L+3]: byte 4i+c of nibble load P (0, 1) holds the low 4 bits of word P's code c in its
+// low nibble and of word P+2's in its high one, and byte 4i+c of the third load holds the top 2 bits of word
+// L's code c at bits 2L and 2L+1. The op takes the width as an argument (the two widths' tiles can have
+// the same bytes for different K).
 // x may be fp32, bf16 or fp16; y comes back in x's dtype (converted once, at the store).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,22 +39,24 @@
 
 namespace {
 
-// a layout of codes W bits wide (4 or 8): G columns per group (weights and activations), SB groups per
-// super-block of 256 columns
+// a layout of codes W bits wide (4 or 6): G columns per group (weights and activations), SB groups per
+// super-block of 256 columns, CODES bytes of codes and BLOCK bytes in all (+ 16 of s8, 16 of o8) per (tile, group)
 template <int W>
 struct Width {
+  static_assert(W == 4 || W == 6);
   static constexpr int64_t G = W == 4 ? 32 : 16;
   static constexpr int64_t SB = 256 / G;
+  static constexpr int64_t CODES = W == 4 ? 256 : 192;
+  static constexpr int64_t BLOCK = CODES + 32;
 };
 constexpr int64_t TN = 16;           // rows per tile
 constexpr int64_t HEAD = 64;         // bytes per (tile, super-block) header: 16 fp16 ds, 16 fp16 dof
-constexpr int64_t BLOCK = 288;       // bytes per (tile, group): 256 of codes, 16 of s8, 16 of o8
 constexpr int64_t PREFETCH = 16384;  // bytes ahead (2-core AMD EPYC, Qwen 1.5B linears: 30.2 -> 22.7 ms a pass at 2 rows)
 
 template <int W>
 int64_t tile_bytes(int64_t K) {
   const int64_t ng = K / Width<W>::G;
-  return (ng + Width<W>::SB - 1) / Width<W>::SB * HEAD + ng * BLOCK;
+  return (ng + Width<W>::SB - 1) / Width<W>::SB * HEAD + ng * Width<W>::BLOCK;
 }
 
 // x [M, K] -> xq [M, K] int8, a [M, K/G], xsum [M, K/G]
@@ -82,10 +86,14 @@ void store_row(T* y, const float* v) {  // 16 values, rounded once to y's dtype
   for (int64_t i = 0; i < TN; ++i) y[i] = static_cast<T>(v[i]);
 }
 
-// the code of row i, activation column j (0..G-1) of a group's 256 code bytes (layout above)
+// the code of row i, activation column j (0..G-1) of a group's code bytes (layout above)
 template <int W>
 int32_t code_at(const uint8_t* codes, int64_t i, int64_t j) {
-  if constexpr (W == 8) return codes[(j / 4) * 64 + 4 * i + j % 4];
+  if constexpr (W == 6) {
+    const int64_t L = j / 4, c = 4 * i + j % 4;
+    const int32_t low = (codes[(L % 2) * 64 + c] >> (4 * (L / 2))) & 15;
+    return low | (((codes[128 + c] >> (2 * L)) & 3) << 4);
+  }
   const uint8_t b = codes[((j % 16) / 4) * 64 + 4 * i + j % 4];
   return j < 16 ? (b & 15) : (b >> 4);
 }
@@ -94,7 +102,7 @@ int32_t code_at(const uint8_t* codes, int64_t i, int64_t j) {
 template <int W, typename T>
 void tiles_plain(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                  int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  constexpr int64_t G = Width<W>::G, SB = Width<W>::SB;
+  constexpr int64_t G = Width<W>::G, SB = Width<W>::SB, CODES = Width<W>::CODES;
   const int64_t ng = K / G, tb = tile_bytes<W>(K);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t m = 0; m < M; ++m) {
@@ -104,14 +112,14 @@ void tiles_plain(const uint8_t* w, const int8_t* xq, const float* a, const float
       for (int64_t g = 0; g < ng; ++g) {
         if (g % SB == 0) { head = blk; blk += HEAD; }
         const int8_t* xg = xq + m * K + g * G;
-        const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 256);
+        const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + CODES);
         for (int64_t i = 0; i < TN; ++i) {
           int32_t dot = 0;
           for (int64_t j = 0; j < G; ++j) dot += code_at<W>(blk, i, j) * xg[j];
           const float s = fp16_at(head, i) * float(s8[i]), o = fp16_at(head + 32, i) * float(s8[TN + i]);
           res[i] += float(dot) * (s * a[m * ng + g]) + o * xsum[m * ng + g];
         }
-        blk += BLOCK;
+        blk += Width<W>::BLOCK;
       }
       store_row(y + m * N + t * TN, res);
     }
@@ -123,14 +131,14 @@ __m512 int8_to_ps(const uint8_t* p) {  // 16 int8 -> 16 fp32
 }
 
 // MB activation rows at once (up to MB_MAX): a group's unpacked code registers (8 for 4-bit codes, 4 for
-// 8-bit ones) serve every row.
+// 6-bit ones) serve every row.
 template <int W, int MB, typename T>
 void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                 int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  constexpr int64_t G = Width<W>::G, SB = Width<W>::SB;
+  constexpr int64_t G = Width<W>::G, SB = Width<W>::SB, CODES = Width<W>::CODES, BLOCK = Width<W>::BLOCK;
   constexpr int NC = W == 4 ? 8 : 4;  // code registers per group: activation words 0..NC-1 multiply them
   const int64_t ng = K / G, tb = tile_bytes<W>(K);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 res[MB];
     for (int r = 0; r < MB; ++r) res[r] = _mm512_setzero_ps();
@@ -142,19 +150,27 @@ void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float*
         dof = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
         blk += HEAD;
       }
-      for (int L = 0; L < 5; ++L) _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * L), _MM_HINT_T0);
+      for (int L = 0; L < (BLOCK + 63) / 64; ++L)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * L), _MM_HINT_T0);
       __m512i c[NC];  // c[j] pairs with activation word j (4 consecutive columns)
-      for (int L = 0; L < 4; ++L) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * L);
-        if constexpr (W == 8) {
-          c[L] = v;
-        } else {
+      if constexpr (W == 4) {
+        for (int L = 0; L < 4; ++L) {
+          const __m512i v = _mm512_loadu_si512(blk + 64 * L);
           c[L] = _mm512_and_si512(v, nib);
           c[4 + L] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         }
+      } else {  // the top 2 bits of word L at bits 2L, 2L+1 of the third load, moved to bits 4, 5 (16-bit
+        // shifts: what crosses from the neighbouring byte is masked off)
+        const __m512i v0 = _mm512_loadu_si512(blk), v1 = _mm512_loadu_si512(blk + 64);
+        const __m512i h = _mm512_loadu_si512(blk + 128);
+        c[0] = _mm512_or_si512(_mm512_and_si512(v0, nib), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+        c[1] = _mm512_or_si512(_mm512_and_si512(v1, nib), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+        c[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v0, 4), nib), _mm512_and_si512(h, top));
+        c[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v1, 4), nib),
+                               _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
       }
-      const __m512 sv = _mm512_mul_ps(ds, int8_to_ps(blk + 256));
-      const __m512 ov = _mm512_mul_ps(dof, int8_to_ps(blk + 272));
+      const __m512 sv = _mm512_mul_ps(ds, int8_to_ps(blk + CODES));
+      const __m512 ov = _mm512_mul_ps(dof, int8_to_ps(blk + CODES + 16));
       for (int r = 0; r < MB; ++r) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xq + r * K + g * G);
         __m512i dot = _mm512_setzero_si512();
@@ -224,8 +240,8 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& packed, bool plain,
               "w4a8_mm: x must be a 2-D floating-point CPU tensor [M, K]");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "w4a8_mm: packed must be contiguous uint8 [N/16, bytes per tile]");
-  TORCH_CHECK(bits == 4 || bits == 8, "w4a8_mm: bits must be 4 or 8, got ", bits);
-  const int64_t K = x_in.size(1), G = bits == 4 ? 32 : 16, tb = bits == 4 ? tile_bytes<4>(K) : tile_bytes<8>(K);
+  TORCH_CHECK(bits == 4 || bits == 6, "w4a8_mm: bits must be 4 or 6, got ", bits);
+  const int64_t K = x_in.size(1), G = bits == 4 ? 32 : 16, tb = bits == 4 ? tile_bytes<4>(K) : tile_bytes<6>(K);
   TORCH_CHECK(K % G == 0, "w4a8_mm: x has ", K, " columns, not a multiple of ", G, " (", bits, "-bit codes)");
   TORCH_CHECK(packed.size(1) == tb, "w4a8_mm: x has ", K, " columns, the weight's tiles hold ", packed.size(1),
               " bytes (", tb, " for x's in ", bits, "-bit codes)");
@@ -235,7 +251,7 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& packed, bool plain,
   const at::Tensor x = (native ? x_in : x_in.to(at::kFloat)).contiguous();
   at::Tensor y = at::empty({x.size(0), packed.size(0) * TN}, x.options());
   if (four) run_in<4>(x, packed, y, plain);
-  else run_in<8>(x, packed, y, plain);
+  else run_in<6>(x, packed, y, plain);
   return native ? y : y.to(st);
 }
 
