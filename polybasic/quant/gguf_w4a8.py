@@ -250,7 +250,7 @@ def _write_cache(path: Path, coded: dict[str, GGUFLinear]) -> None:
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata={"linears": json.dumps(meta)})
         log.info("the w4a8 binding cached in %s for the next load", path)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # a full disk, say
         log.warning("could not cache the w4a8 binding in %s (%s); the next load binds again", path, e)
 
 

@@ -93,7 +93,9 @@ def pack_factors(u: Tensor, ds: Tensor, s8: Tensor, do: Tensor, o8: Tensor, bits
     if bits == 4:
         u6 = u.to(torch.uint8).view(t, TILE, g, 2, 4, 4)  # [tile, row, group, half, load, byte]
         codes = (u6[:, :, :, 0] | (u6[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(t, g, 256)
-    else:  # words L = 0..3 (4 columns each) of every row: low nibbles of L and L + 2 share a byte, top 2 bits in a third
+    else:  # words L = 0..3 (4 columns each) of a row: low nibbles of L and L + 2 share a byte, top 2 bits in a third
+        if int(u.max()) > 63:
+            raise ValueError(f"6-bit codes must lie in [0, 63], got {int(u.max())}")
         words = u.to(torch.uint8).view(t, TILE, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 4, 64)
         low, high = words & 15, words >> 4  # [t, g, word, 64]
         tops = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)

@@ -80,6 +80,8 @@ def test_6bit_codes_equal_their_float64_reference_on_every_path(n, k):
     u, factors, s, o = q6k_like(n, k, g)
     tiles = w4a8.pack_factors(u, *factors, bits=6)
     assert tiles.shape == (n // 16, w4a8.tile_bytes(k, 6)) == (n // 16, -(-k // 256) * 64 + k // 16 * 224)
+    with pytest.raises(ValueError, match=r"\[0, 63\], got 64"):
+        w4a8.pack_factors(u + 1, *factors, bits=6)
     for m in (1, 3, 8, 9):
         x = torch.randn(m, k, generator=g)
         x[0, :16] = 0
