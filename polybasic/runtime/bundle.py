@@ -32,10 +32,12 @@ from polybasic.config import SamplingConfig, check_draft_confidence
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError, check
 from polybasic.models.eagle_head import load_head
 from polybasic.models.loader import folder_and_args, load_model, load_tokenizer, resolve_hf_folder
-from polybasic.models.preflight import HEAD_CONFIG_KEY, check_source, read_json, safetensors_metadata, source_kind
+from polybasic.models.preflight import (HEAD_CONFIG_KEY, check_source, read_json, safetensors_metadata, source_kind,
+                                        split_kernel)
 from polybasic.models.registry import REGISTRY, gguf_path
 from polybasic.models.registry import sha256_file as _sha
 from polybasic.models.speculators_format import save_speculators
+from polybasic.quant.api import load_any_model
 from polybasic.runtime.chain import Chain, check_k
 from polybasic.runtime.chain_builder import build_chain
 from polybasic.runtime.chainspec import LEVEL_KINDS, ChainSpec, check_chain_files, named
@@ -112,7 +114,9 @@ def sha256_file(path: str | Path) -> str:
 
 def source_sha256(source: str) -> str:
     """The sha256 that identifies a model source's weights without loading them: of its GGUF file
-    (packaged short names, .gguf), of the file (.safetensors), or over a folder's *.safetensors."""
+    (packaged short names, .gguf), of the file (.safetensors), or over a folder's *.safetensors. A 'NAME@w4a8'
+    source runs NAME's weights on another kernel: NAME's."""
+    source = split_kernel(source)[0]
     kind = source_kind(source)
     if kind == "registry":
         spec = REGISTRY[source]
@@ -197,7 +201,8 @@ def export_bundle(folder: str | Path, target_source: str, target_dtype: str, cha
                 refs[lv.name] = _model_ref(lv.source, lv.dtype, tok)
             levels.append(lv)
         if head := _eagle3_on_target(ChainSpec(tuple(levels)), files):
-            written = export_speculators(tmp / SPECULATORS, tmp / head, target_source, decoding.k)
+            # vLLM serves the model itself (its own kernels): a 'NAME@w4a8' target's head goes to NAME
+            written = export_speculators(tmp / SPECULATORS, tmp / head, split_kernel(target_source)[0], decoding.k)
             for f in sorted(written.iterdir()):
                 files[f"{SPECULATORS}/{f.name}"] = {"sha256": sha256_file(f), "bytes": f.stat().st_size,
                                                     "serves": f"the target's eagle3 drafter in vLLM ({head})"}
@@ -302,7 +307,7 @@ def _check_target(m: Manifest, folder: Path) -> None:
                           f"for {t.get('sha256')}: another build of the model; install the build the bundle "
                           "names or export the bundle again for this one")
 
-    tok = load_tokenizer(resolve_hf_folder(source))
+    tok = load_tokenizer(resolve_hf_folder(split_kernel(source)[0]))
     if tokenizer_sha256(tok) != t.get("tokenizer_sha256"):
         raise ConfigError(f"bundle: {folder}: the target '{source}''s tokenizer differs from the one the bundle "
                           "was made with; export the bundle again for this target")
@@ -362,7 +367,9 @@ def load(bundle: str | Path, device: str = "cpu", *, revision: str | None = None
     device = str(check_device(device, "device"))  # before any check or load: a missing CUDA fails first
     folder = resolve_bundle(bundle, revision)
     m = check_bundle(folder, verify_target=verify_target)
-    lm = target or load_model(m.target["source"], m.target.get("dtype", "float32"), device)
+    source, dtype = m.target["source"], m.target.get("dtype", "float32")
+    # a 'NAME@w4a8' target: NAME with its linears on the GGUF's own codes (quant.gguf_w4a8)
+    lm = target or (load_any_model if split_kernel(source)[1] else load_model)(source, dtype, device)
     levels = build_chain(m.chain, lm, device, flag=f"bundle {folder}: chain")
     d = m.decoding
     chain = Chain(levels, k=d.k, thresholds=None if d.thresholds is None else list(d.thresholds),

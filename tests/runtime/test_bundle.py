@@ -5,20 +5,24 @@ import copy
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from polybasic.errors import ConfigError, PolybasicError
 from polybasic.models import load_model
 from polybasic.models.eagle_head import DrafterConfig, EagleHead, save_head
-from polybasic.quant import QuantConfig, quantize_, save_quantized
+from polybasic.quant import QuantConfig, quantize_, save_quantized, w4a8
+from polybasic.quant.api import load_any_model
+from polybasic.quant.gguf_w4a8 import GGUFLinear
 from polybasic.runtime import bundle as B
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.chain_builder import build_chain
 from polybasic.runtime.chainspec import parse_chain_spec
 from polybasic.runtime.generate import generate_tokens
 from polybasic.runtime.hub import push_bundle
-from tests.helpers import tiny_hf_folder
+from tests.helpers import tiny_hf, tiny_hf_folder
+from tests.models.test_gguf_codes import QWEN2_KINDS, write_qwen2_gguf
 
 W4 = QuantConfig(w_bits=4, a_bits=16, group_size=32, kernel="int4pack")
 
@@ -228,3 +232,24 @@ def test_a_bad_bundle_on_the_command_line(parts, tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert str(folder) in r.stderr and "schema_version" in r.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_target_on_its_ggufs_own_codes_travels_in_a_bundle(tmp_path, monkeypatch):
+    """A 'NAME@w4a8' target: the manifest names it so and identifies NAME's file; the loaded bundle runs the
+    GGUF's codes and gives that target's own greedy tokens."""
+    if not w4a8.status()[0]:
+        pytest.skip(f"the kernel cannot run here: {w4a8.status()[1]}")
+    monkeypatch.setenv("POLYBASIC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny-qwen2.gguf"
+    hf = tiny_hf("qwen2", tie=True, hidden=256, heads=4, kv_heads=2, init_std=0.2)  # k-quant rows: 256 columns
+    write_qwen2_gguf(hf, gguf, np.random.default_rng(2), dict(QWEN2_KINDS, attn_k="Q4_K", token_embd="Q6_K"))
+    source = f"{gguf}@w4a8"
+    lm = load_any_model(source, "bfloat16")
+    folder = B.export_bundle(tmp_path / "b", source, "bfloat16", parse_chain_spec("ngram"),
+                             B.Decoding(k=3, thresholds=None), lm.tokenizer)
+    ref = json.loads((folder / "manifest.json").read_text())["target"]
+    assert ref["source"] == source and ref["sha256"] == B.source_sha256(str(gguf))
+    dec = B.load(folder)
+    assert isinstance(dec.target.model.layers[0].attention.wo, GGUFLinear)
+    prompt = [3, 5, 7, 9, 3, 5, 7]
+    assert list(dec.tokens(prompt, 20)) == list(generate_tokens(lm.model, prompt, 20))
