@@ -183,18 +183,17 @@ def check(device: str | torch.device) -> None:
                           f"({why}); drop '@w4a8'")
 
 
-def bind(model: nn.Module, gguf: str | Path, cache: bool = True) -> tuple[int, int]:
+def bind(model: nn.Module, gguf: str | Path) -> tuple[int, int]:
     """Swap every nn.Linear of `model` (on a CPU) whose rows a GGUF file holds as Q4_K or Q6_K for a GGUFLinear
-    over those codes; returns (swapped, linears). Raises ConfigError where the kernel cannot run here.
-    cache: read the swaps from `cache_file` when it is there, else find them and write it."""
+    over those codes; returns (swapped, linears). Raises ConfigError where the kernel cannot run here. The swaps
+    are read from `cache_file` when it is there, else found and written to it."""
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     check(linears[0][1].weight.device if linears else "cpu")
-    path = cache_file(gguf, linears) if cache else None
-    coded = _read_cache(path, linears) if path is not None and path.is_file() else None
+    path = cache_file(gguf, linears)
+    coded = _read_cache(path, linears) if path.is_file() else None
     if coded is None:
-        coded = _find(linears, gguf, {m.weight.dtype for _, m in linears})
-        if path is not None:
-            _write_cache(path, coded)
+        coded = _find(linears, gguf)
+        _write_cache(path, coded)
     for name, new in coded.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
@@ -202,9 +201,10 @@ def bind(model: nn.Module, gguf: str | Path, cache: bool = True) -> tuple[int, i
     return len(coded), len(linears)
 
 
-def _find(linears: list[tuple[str, nn.Linear]], gguf: str | Path, dtypes: set) -> dict[str, GGUFLinear]:
+def _find(linears: list[tuple[str, nn.Linear]], gguf: str | Path) -> dict[str, GGUFLinear]:
     """{name: its GGUFLinear} for the linears whose rows the file holds as Q4_K/Q6_K codes (matched by content)."""
     tensors = read_factors(gguf)
+    dtypes = {m.weight.dtype for _, m in linears}
     where: dict[int, tuple[int, int]] = {}  # hash of a row rounded to the model's dtype -> (tensor, row)
     for ti, f in enumerate(tensors):
         values = f.expand()
