@@ -20,12 +20,28 @@ import time
 import torch
 
 
-def main(argv=None) -> None:
-    from torch._dynamo.utils import counters
-
+def smollm2_shaped(device: str, layers: int = 30):
+    """A function dtype -> a prepared random model of SmolLM2-135M's shapes (`layers` of its 30) on `device`, every
+    call with the same weights."""
     from polybasic.models.args import ModelArgs
     from polybasic.models.decoder import Transformer
     from polybasic.models.prepare import prepare_for_device
+
+    args = ModelArgs(vocab_size=49152, dim=576, n_layers=layers, n_heads=9, n_kv_heads=3, head_dim=64,
+                     intermediate_size=1536, max_seq_len=2048, tie_embeddings=True)
+    torch.manual_seed(0)
+    weights = Transformer(args).state_dict()
+
+    def model(dtype: torch.dtype):
+        m = Transformer(args).to(device, dtype).eval().requires_grad_(False)
+        m.load_state_dict(weights)
+        return prepare_for_device(m)
+    return model
+
+
+def main(argv=None) -> None:
+    from torch._dynamo.utils import counters
+
     from polybasic.runtime.compiled import compile_levels
     from polybasic.runtime.generate import generate_tokens
     from polybasic.runtime.levels import ModelLevel
@@ -39,16 +55,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     sizes = tuple(int(s) for s in a.sizes.split(","))
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    args = ModelArgs(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
-                     intermediate_size=1536, max_seq_len=2048, tie_embeddings=True)  # SmolLM2-135M's shapes
     prompt = [(7 * i) % 40000 + 5 for i in range(100)]
-    torch.manual_seed(0)
-    weights = Transformer(args).state_dict()
-
-    def model(dtype):
-        m = Transformer(args).to(a.device, dtype).eval().requires_grad_(False)
-        m.load_state_dict(weights)
-        return prepare_for_device(m)
+    model = smollm2_shaped(a.device)
 
     def decode(m, ahead=None):
         sync()

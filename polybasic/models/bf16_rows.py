@@ -11,7 +11,8 @@ verifications (gguf_codes.project).
 then calls `linear` for them, eager or compiled (a fake implementation lets torch.compile trace the op),
 for calls of up to ROWS_MAX rows. It also lets the model's attention run `attend`, the same kind of kernel
 for a decoding step's or a verification's rows: each row as if alone, over the cache rows it may see only
-(a static step's caches hold more rows than it reads).
+(a static step's caches hold more rows than it reads), and its RMSNorms run `norm` (one call where eager
+PyTorch runs about ten small ops, ~0.1 ms a norm on 2 cores; row-invariant too).
 `status()` says once per process whether it can run here, and why not; where it cannot, and on CPUs with
 AMX unless $POLYBASIC_BF16_KERNEL says otherwise (`choice()`), linears keep oneDNN.
 """
@@ -31,6 +32,7 @@ from polybasic.models.native import cpu_flags, load_ops, usable
 SOURCE = files("polybasic.models") / "kernels" / "bf16_rows.cpp"
 MARK = "bf16_rows"  # the attribute bind() sets on a linear
 ATTEND = "row_attention"  # the attribute of an attention module that bind() sets: True runs `attend` on bf16 CPU rows
+NORM = "row_norm"  # the attribute of an RMSNorm module that bind() sets: True runs `norm` on bf16 CPU rows
 CHOICE_ENV = "POLYBASIC_BF16_KERNEL"
 ROWS_MAX = 64  # calls of more rows (long prefills) run oneDNN, faster there: the kernel ran one model's linears at
 # 0.91x / 0.74x / 0.66x oneDNN's speed at 64 / 128 / 512 rows, and at 2.25x / 1.36x / 1.16x at 1 / 4 / 17 (AMD EPYC,
@@ -41,7 +43,7 @@ ROWS_MAX = 64  # calls of more rows (long prefills) run oneDNN, faster there: th
 def build(cache_dir: Path | None = None) -> Path:
     """Compile the kernel (once per source, torch version and CPU) and load its ops; returns the
     library's path. Raises RuntimeError naming the cause when no compiler is found or the build fails."""
-    return load_ops("bf16_rows", SOURCE, {"mm": _mm_fake, "attend": _attend_fake}, cache_dir)
+    return load_ops("bf16_rows", SOURCE, {"mm": _mm_fake, "attend": _attend_fake, "norm": _norm_fake}, cache_dir)
 
 
 def _mm_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -50,6 +52,10 @@ def _mm_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def _attend_fake(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
     return q.new_empty(q.shape)  # [1, H, M, D]
+
+
+def _norm_fake(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # [..., E]
 
 
 @cache
@@ -71,6 +77,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
     return torch.ops.polybasic_bf16_rows.attend(q, k, v, pos)
 
 
+def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x [..., E] bf16 with weight [E] bf16 -> [..., E] bf16, rounded as `weight * rms_norm(x.float(),
+    eps=eps).to(bf16)` is, each row's sum of squares in a fixed order (kernels/bf16_rows.cpp)."""
+    return torch.ops.polybasic_bf16_rows.norm(x, weight, eps)
+
+
 def choice() -> str:
     """The bf16 CPU kernel models are bound to: $POLYBASIC_BF16_KERNEL, 'bf16_rows', 'onednn' or 'auto'
     (the default): bf16_rows, except on CPUs with AMX, whose oneDNN GEMM runs bf16 on matrix tiles (not
@@ -86,8 +98,9 @@ def choice() -> str:
 def bind(model: nn.Module, kernel: str | None = None) -> int:
     """Mark every nn.Linear of `model` whose weight is contiguous bf16 on a CPU to run on this kernel (and
     unmark the others), and let its attention modules (those with the attribute ATTEND) run `attend` on bf16
-    CPU rows, when `kernel` (default: choice()) is 'bf16_rows' and it can run here; returns how many linears
-    are marked. Values are unchanged."""
+    CPU rows and its RMSNorms (modules with the attribute NORM) run `norm`, when `kernel` (default: choice()) is
+    'bf16_rows' and it can run here; returns how many linears are marked. Values are unchanged, up to the last
+    bits of norms (their sums of squares in another order)."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     attentions = [m for m in model.modules() if hasattr(m, ATTEND)]
     bf16 = any(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in model.parameters())  # linears or,
@@ -96,6 +109,9 @@ def bind(model: nn.Module, kernel: str | None = None) -> int:
         setattr(mod, MARK, ok and _fits(mod))
     for mod in attentions:
         setattr(mod, ATTEND, ok and _attention_fits(mod))
+    for mod in model.modules():
+        if hasattr(mod, NORM):
+            setattr(mod, NORM, ok)
     return sum(getattr(mod, MARK) for mod in linears)
 
 

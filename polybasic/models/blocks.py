@@ -72,8 +72,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.row_norm = False  # bf16 rows on the CPU run bf16_rows.norm (set by bf16_rows.bind)
 
     def forward(self, x: Tensor) -> Tensor:
+        if (self.row_norm and x.dtype == self.weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not (x.requires_grad or self.weight.requires_grad)):  # the kernel has no backward
+            return bf16_rows.norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, same bits
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -104,9 +108,11 @@ class Attention(nn.Module):
         k, v = self.kv_cache.update(start, qk[:, :, h:].transpose(1, 2),
                                     qkv[:, :, h + g:].transpose(1, 2))  # [B, G, start+M, D] (static: [B, G, S, D])
         if (self.row_attention and bsz == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu"
-                and (mask is None or mask.dim() == 2) and (isinstance(start, Tensor) or start > 0 or m == 1)):
-            # a static step (mask = the rows up to each position), a one-token step, or a verification (mask
-            # None or the causal slice): each row alone over the keys up to its position, whatever M is
+                and (mask is None or mask.dim() == 2) and k.stride() == v.stride()):
+            # a static step (mask = the rows up to each position), a one-token step, a verification or a
+            # prefill (mask None or the causal slice): each row alone over the keys up to its position, whatever
+            # M is, so a prompt's rows get the same bits in one call, in chunks or compiled (and sooner than
+            # SDPA's: 0.25 against 0.45 s for a 671-token prompt of Qwen2.5-1.5B, AMD EPYC, 2 cores)
             pos = start if isinstance(start, Tensor) else torch.arange(start, start + m, device=q.device)  # [M]
             y = bf16_rows.attend(q, k, v, pos)  # [1, H, M, D]
         elif isinstance(start, Tensor):

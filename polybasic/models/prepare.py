@@ -21,7 +21,10 @@ from polybasic.models.decoder import use_decode_layout
 from polybasic.models.eagle_head import EagleHead
 
 
-CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}  # the C++ wrapper cuts the compiled CPU step's Python overhead
+# cpp_wrapper: the C++ wrapper cuts the compiled CPU step's Python overhead. emulate_precision_casts: fused
+# pointwise code rounds each op's result to bf16 as eager PyTorch does (rope's products, silu * up), so a compiled
+# step whose reductions are all row-invariant kernels (bf16_rows, w4a8) gets eager's bits exactly.
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "emulate_precision_casts": True}
 COMPILED_DEVICES = ("cpu", "cuda")
 
 

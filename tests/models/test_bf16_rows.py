@@ -1,5 +1,6 @@
-"""The CPU kernel 'bf16_rows' (models.bf16_rows, kernels/bf16_rows.cpp): close to the exact product, the
-same bits for a row whatever rows surround it, bound only where it fits, and the same bits compiled."""
+"""The CPU kernel 'bf16_rows' (models.bf16_rows, kernels/bf16_rows.cpp): close to the exact product, attention
+and RMSNorm, the same bits for a row whatever rows surround it, bound only where it fits, and the same bits
+compiled (a whole model's steps and prompts included)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +8,7 @@ from torch import nn
 
 from polybasic.errors import ConfigError
 from polybasic.models import bf16_rows
+from polybasic.models.blocks import RMSNorm
 from polybasic.models.gguf_codes import project
 
 
@@ -93,6 +95,54 @@ def test_compiled_steps_get_the_eager_bits():
         assert torch.equal(step(x), project(lin, x)), m
 
 
+@pytest.mark.parametrize("e", [7, 16, 100, 1536])  # a masked tail alone, one vector, both, a model's width
+def test_norm_is_the_rms_norm_rounded_and_every_row_alone(e):
+    g = torch.Generator().manual_seed(e)
+    x = (torch.randn(13, e, generator=g) * 3).bfloat16()
+    w = torch.randn(e, generator=g).bfloat16()
+    y = bf16_rows.norm(x, w, 1e-6)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    exact = w.double() * x.double() * (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+    # two bf16 roundings (the normed row, then times the weight), half an ulp (2^-8 relative) each
+    assert ((y.double() - exact).abs() <= 2 ** -7 * exact.abs() * 1.01 + 1e-30).all()
+    assert torch.equal(torch.cat([bf16_rows.norm(x[i:i + 1], w, 1e-6) for i in range(13)]), y)
+    assert torch.equal(bf16_rows.norm(x.view(1, 13, e), w, 1e-6), y.view(1, 13, e))
+    assert torch.equal(bf16_rows.norm(x.t().contiguous().t(), w, 1e-6), y)  # strided rows: read contiguous
+
+
+def test_norm_refuses_a_mismatched_input():
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="last size, 64"):
+        bf16_rows.norm(x, torch.ones(32).bfloat16(), 1e-6)
+    with pytest.raises(RuntimeError, match="bf16 CPU tensor"):
+        bf16_rows.norm(x.float(), torch.ones(64).bfloat16(), 1e-6)
+
+
+def test_a_bf16_models_compiled_steps_and_prompts_get_the_eager_bits():
+    """Every reduction of a bound bf16 model runs on the kernel (linears, attention, norms, each row alone) and
+    inductor rounds every pointwise op's result as eager does (prepare.CPU_INDUCTOR_OPTIONS), so compiled steps of
+    any size, padded, and a prompt in compiled chunks give the bits of eager calls, which give a row's bits in
+    one call or several."""
+    from polybasic.models.prepare import compile_for_device
+    from tests.helpers import lean_from_hf, tiny_hf_llama
+
+    hf = tiny_hf_llama(tie=True, hidden=128, heads=4, kv_heads=2)  # head size 32
+    eager, comp, parts = (lean_from_hf(hf, torch.bfloat16) for _ in range(3))
+    for model in (eager, comp, parts):
+        bf16_rows.bind(model, "bf16_rows")
+        model.setup_caches(64)
+    compile_for_device(comp, sizes=(1, 4, 16))
+    comp.setup_caches(64)
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for start, m in [(0, 37), (37, 1), (38, 3), (41, 4), (39, 2), (41, 16), (57, 1)]:  # with rollbacks
+            a, b = eager(ids[:, start:start + m], start), comp(ids[:, start:start + m], start)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (start, m)
+        whole = eager(ids[:, :40], 0)[0]
+        pieces = torch.cat([parts(ids[:, a:e], a)[0] for a, e in [(0, 9), (9, 10), (10, 40)]], 1)
+        assert torch.equal(whole, pieces)
+
+
 def test_the_choice_follows_the_cpu_and_the_environment(monkeypatch):
     monkeypatch.delenv(bf16_rows.CHOICE_ENV, raising=False)
     monkeypatch.setattr(bf16_rows, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16")
@@ -172,10 +222,13 @@ def test_bind_lets_a_bf16_cpu_models_attention_run_the_kernel(monkeypatch):
 
     model = lean_from_hf(tiny_hf_llama(tie=True, hidden=128, heads=4, kv_heads=2), torch.bfloat16)  # head size 32
     attentions = [layer.attention for layer in model.layers]
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     bf16_rows.bind(model, "bf16_rows")
     assert all(getattr(a, bf16_rows.ATTEND) for a in attentions)
+    assert len(norms) == 2 * len(attentions) + 1 and all(getattr(n, bf16_rows.NORM) for n in norms)
     bf16_rows.bind(model, "onednn")
     assert not any(getattr(a, bf16_rows.ATTEND) for a in attentions)
+    assert not any(getattr(n, bf16_rows.NORM) for n in norms)
     bf16_rows.bind(model.float(), "bf16_rows")  # fp32: nothing for the kernel
     assert not any(getattr(a, bf16_rows.ATTEND) for a in attentions)
     monkeypatch.setattr(bf16_rows, "status", lambda: (False, "this CPU has no AVX-512 BF16"))

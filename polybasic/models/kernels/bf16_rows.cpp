@@ -278,6 +278,52 @@ at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const a
   return y;
 }
 
+// RMSNorm of bf16 rows: x [..., E] bf16, w [E] bf16 -> y = bf16(w * bf16(x * (sum(x^2) / E + eps)^-1/2)), the
+// rounding of `w * rms_norm(x.float()).to(bf16)`. The sum of squares is 16 fp32 lanes over x[0:E] in order (a
+// masked last step), then one horizontal sum; so a row's bits depend on that row alone, whatever the row count.
+// One row is a few hundred nanoseconds of work, so the rows are split across cores only in long calls.
+at::Tensor bf16_rows_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+  TORCH_CHECK(PB_BF16, "bf16_rows: built for a CPU without AVX-512 BF16");
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16,
+              "bf16_rows.norm: x must be a bf16 CPU tensor [..., E]");
+  const int64_t E = x_in.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.numel() == E && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+              w.device().is_cpu(), "bf16_rows.norm: w must be a contiguous bf16 CPU tensor of x's last size, ", E);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+#if PB_BF16
+  const int64_t rows = E ? x.numel() / E : 0;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t full = E / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (E - full)) - 1);
+  auto load = [&](const uint16_t* p, int64_t k) {  // 16 bf16 (fewer at the tail, zeros after) -> fp32, exactly
+    const __m256i h = k < full ? _mm256_loadu_si256((const __m256i*)(p + k)) : _mm256_maskz_loadu_epi16(tail, p + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  };
+  auto round = [](__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+      (__m256i)_mm512_cvtneps_pbh(v)), 16)); };  // to bf16 (nearest even) and back
+  at::parallel_for(0, rows, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* xr = xp + r * E;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < E; k += 16) {
+        const __m512 v = load(xr, k);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(E) + float(eps)));
+      for (int64_t k = 0; k < E; k += 16) {
+        const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load(wp, k), round(_mm512_mul_ps(load(xr, k), inv))));
+        if (k < full) _mm256_storeu_si256((__m256i*)(yp + r * E + k), out);
+        else _mm256_mask_storeu_epi16(yp + r * E + k, tail, out);
+      }
+    }
+  });
+#endif
+  return y;
+}
+
 bool bf16_rows_native() { return PB_BF16; }
 
 }  // namespace
@@ -285,10 +331,12 @@ bool bf16_rows_native() { return PB_BF16; }
 TORCH_LIBRARY(polybasic_bf16_rows, m) {
   m.def("mm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos) -> Tensor");
+  m.def("norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("native() -> bool", &bf16_rows_native);
 }
 
 TORCH_LIBRARY_IMPL(polybasic_bf16_rows, CPU, m) {
   m.impl("mm", &bf16_rows_mm);
   m.impl("attend", &bf16_rows_attend);
+  m.impl("norm", &bf16_rows_norm);
 }
