@@ -153,9 +153,11 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 bf16x16_to_ps(const uint16_t* p) {  // 16 bf16 -> 16 fp32, exactly
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+inline __m512 widen(__m256i h) {  // 16 bf16 -> 16 fp32, exactly
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+inline __m512 bf16x16_to_ps(const uint16_t* p) { return widen(_mm256_loadu_si256((const __m256i*)p)); }
 
 // One query row of the r query heads sharing kv head g: out[h] = softmax(q[h] . k[0..L) * scale) @ v[0..L).
 // D is a multiple of 32, at most 256. s is scratch of r * Lp floats (Lp = L rounded up to 16).
@@ -299,11 +301,9 @@ at::Tensor bf16_rows_norm(const at::Tensor& x_in, const at::Tensor& w, double ep
   const int64_t full = E / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (E - full)) - 1);
   auto load = [&](const uint16_t* p, int64_t k) {  // 16 bf16 (fewer at the tail, zeros after) -> fp32, exactly
-    const __m256i h = k < full ? _mm256_loadu_si256((const __m256i*)(p + k)) : _mm256_maskz_loadu_epi16(tail, p + k);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return k < full ? bf16x16_to_ps(p + k) : widen(_mm256_maskz_loadu_epi16(tail, p + k));
   };
-  auto round = [](__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-      (__m256i)_mm512_cvtneps_pbh(v)), 16)); };  // to bf16 (nearest even) and back
+  auto round = [](__m512 v) { return widen((__m256i)_mm512_cvtneps_pbh(v)); };  // to bf16 (nearest even) and back
   at::parallel_for(0, rows, 256, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint16_t* xr = xp + r * E;
