@@ -5,7 +5,9 @@ download needed):
 
 The chain is the GPU bench's `chain-compiled:target@bfloat16+ngram` (an fp32 target, its bf16 copy, an n-gram
 level; k 8, the copy's threshold 9). For each prompt (random tokens, 60-200 long, twice): tokens/s of plain
-decoding and of the chain, tau, and whether the tokens are equal. Then one chain generation under cProfile
+decoding and of the chain, tau, and whether the tokens are equal, once with the compiled steps skipping dynamo's
+guards after a key's first pass (models.static.unguarded, the default) and once checking them at every call
+(StaticSteps.skip_guards False). Then (unless --no-profile) one chain generation under cProfile
 (the host's Python, by own time and by cumulative time) and under torch.profiler (host and device time per
 op and per compiled graph: a graph's calls and device time say which level it is), and one plain decoding
 under torch.profiler; all printed and written to OUT/profile.txt, the chain's trace to OUT/trace.json. Random
@@ -31,6 +33,7 @@ def main(argv=None) -> None:
     from polybasic.runtime.chain import Chain
     from polybasic.runtime.compiled import compile_levels
     from polybasic.runtime.generate import generate_tokens
+    from polybasic.models.static import StaticSteps
     from polybasic.runtime.levels import ModelLevel, NGramLevel
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -38,6 +41,7 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=30, help="SmolLM2-135M has 30")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--out", default="runs/chain-profile")
+    p.add_argument("--no-profile", action="store_true", help="time the prompts only (no cProfile, no torch.profiler)")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,18 +71,24 @@ def main(argv=None) -> None:
 
     for _ in range(2):
         for q in prompts:
-            sync()
-            t0 = time.perf_counter()
-            plain = list(generate_tokens(vanilla, q, a.tokens))
-            sync()
-            t1 = time.perf_counter()
-            tokens, stats = chain.generate(q, a.tokens)
-            sync()
-            t2 = time.perf_counter()
-            calls = ", ".join(f"{ln.verifier}<-{ln.drafter} {len(ln.drafted)} calls {sum(ln.accepted)} accepted"
-                              for ln in stats.links)
-            say(f"prompt {len(q)}: plain {len(plain) / (t1 - t0):7.1f} tokens/s, chain {len(tokens) / (t2 - t1):7.1f} "
-                f"tokens/s, tau {stats.tau:.2f}, equal {plain == tokens} ({calls})")
+            for skip in (True, False):  # compiled steps without and with dynamo's guards at every call
+                StaticSteps.skip_guards = skip
+                sync()
+                t0 = time.perf_counter()
+                plain = list(generate_tokens(vanilla, q, a.tokens))
+                sync()
+                t1 = time.perf_counter()
+                tokens, stats = chain.generate(q, a.tokens)
+                sync()
+                t2 = time.perf_counter()
+                calls = ", ".join(f"{ln.verifier}<-{ln.drafter} {len(ln.drafted)} calls {sum(ln.accepted)} accepted"
+                                  for ln in stats.links)
+                say(f"prompt {len(q)}, guards {'skipped' if skip else 'checked'}: plain {len(plain) / (t1 - t0):7.1f} "
+                    f"tokens/s, chain {len(tokens) / (t2 - t1):7.1f} tokens/s, tau {stats.tau:.2f}, equal "
+                    f"{plain == tokens} ({calls})")
+    StaticSteps.skip_guards = True
+    if a.no_profile:
+        return
 
     prof = cProfile.Profile()
     prof.enable()

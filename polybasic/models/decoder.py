@@ -19,8 +19,8 @@ from polybasic.errors import ConfigError
 from polybasic.models.args import ModelArgs
 from polybasic.models.blocks import KVCache, RMSNorm, rope_tables
 from polybasic.models.families import block_for, family_for
-from polybasic.models.gguf_codes import attach_codes, project
-from polybasic.models.static import StaticSteps, pad_rows, positions
+from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES, attach_codes, project
+from polybasic.models.static import StaticSteps, check_sizes, default_sizes, pad_rows, positions
 
 
 class Transformer(nn.Module):
@@ -114,6 +114,12 @@ class Transformer(nn.Module):
         Logits agree with eager ones to float rounding (fused kernels sum in another order), not bit for
         bit. Left-padded batches (key_mask) stay eager.
 
+        A bf16 or fp16 model on the CPU runs calls of more rows than the second largest size (prompts, long
+        verifications) eagerly, unpadded: its kernels are row-invariant (bf16_rows, w4a8), so an eager call
+        gives the compiled steps' bits, and eager vanilla decoding's, while a prompt in padded chunks costs
+        more (a 1.5B `@w4a8` target, 2-core AMD EPYC: 384 / 1,335 / 4,922 ms eager against 501 / 1,900 /
+        5,294 ms in 64-row chunks for 51 / 201 / 671 tokens; docs/results.md). Only the smaller sizes compile.
+
         gguf: the GGUF file the fp32 weights were expanded from. Its block codes are attached to the
         CPU fp32 linears they reproduce exactly (see gguf_codes), and steps of up to gguf_codes.CODED_ROWS
         tokens read those, 1 byte per weight instead of 4 (+~1.2 bytes per weight of memory). Returns how
@@ -123,7 +129,10 @@ class Transformer(nn.Module):
         """
         coded = attach_codes(self, gguf) if gguf is not None else 0
         if self._static is None:
-            self._static = StaticSteps(self._static_forward, "the model", sizes, self.device, options, notify)
+            sizes = check_sizes(sizes or default_sizes(self.device))
+            invariant = self.device.type == "cpu" and self.dtype in ROW_INVARIANT_DTYPES and len(sizes) > 1
+            self._static = StaticSteps(self._static_forward, "the model", sizes, self.device, options, notify,
+                                       eager_above=sizes[-2] if invariant else None)
             self.max_seq_len = 0  # the next setup_caches sizes the caches for static steps
         return coded
 
@@ -137,8 +146,9 @@ class Transformer(nn.Module):
         steps = self._static
         # (size, last_only): every size with all rows' logits (size 1 has one row), or with decode the one-token
         # step alone; then the prefill chunk reading one row's
-        calls = [(1, True)] if decode else [(size, False) for size in steps.sizes]
-        calls.append((steps.largest, True))
+        calls = [(1, True)] if decode else [(size, False) for size in steps.sizes if not steps.runs_eager(size)]
+        if not steps.runs_eager(steps.largest):
+            calls.append((steps.largest, True))
         for _ in range(steps.warm_runs):
             for size, last_only in calls:
                 self(torch.zeros(1, size, dtype=torch.long, device=self.device), 0, last_only=last_only)
@@ -161,7 +171,7 @@ class Transformer(nn.Module):
             raise ConfigError(f"sequence length: {end} tokens exceed the cache of {self.max_seq_len}; "
                               "call setup_caches with a larger max_seq_len")
         tail = 1 if last_only else min(tail or m, m)
-        if self._static is not None and key_mask is None:
+        if self._static is not None and key_mask is None and not self._static.runs_eager(m):
             return self._static_chunks(tokens, start, tail)
         return self._forward(tokens, start, tail, key_mask)
 
@@ -176,7 +186,8 @@ class Transformer(nn.Module):
             # logits: fewer graphs to compile, and their rows' logits are wanted anyway)
             one = need <= 1 and size in (1, steps.largest)
             pick = positions(n - 1, 1, tokens.device) if one else None  # [1]
-            lg, hd = steps((tokens.shape[0], size, "last" if one else "all", self.max_seq_len), chunk, pos, pick)
+            key = (tokens.shape[0], size, "last" if one else "all", self.max_seq_len, self.feature_layers)
+            lg, hd = steps(key, chunk, pos, pick)
             hidden.append(hd[:, :n])
             if need:
                 logits.append(lg if one else lg[:, n - need:n])

@@ -332,7 +332,7 @@ class EagleHead(nn.Module):
         """forward through the compiled steps: chunks of the largest size, the last one padded."""
         steps, out = self._static, []
         for a, n, size, pos in steps.chunks(tokens.shape[1], start, tokens.device):
-            key = (tokens.shape[0], size, feats.shape[-1])
+            key = (tokens.shape[0], size, feats.shape[-1], self.max_cache)  # the caches only grow: a new graph
             out.append(steps(key, pad_rows(tokens[:, a:a + n], size), pad_rows(feats[:, a:a + n], size), pos)[:, :n])
         return out[0] if len(out) == 1 else torch.cat(out, 1)  # [B, M, E]
 

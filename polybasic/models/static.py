@@ -6,7 +6,9 @@ int, so a new position is new data, not a new graph),
 and the whole preallocated KV cache [B, G, S, D] with a mask [M, S] of the rows each may see. Padding
 rows sit at the positions after the real ones: they write cache rows no real row sees yet, which the
 next call overwrites before reading (rollback is a smaller start; nothing is reallocated). A run
-longer than the largest size goes in chunks of it (a long prefill).
+longer than the largest size goes in chunks of it (a long prefill). A row-invariant model on the CPU runs
+calls past the second largest size eagerly instead (Transformer.compile_steps). A key's calls after its first
+skip dynamo's guards (`unguarded`).
 
 So each size compiles once, inductor caches it on disk (TORCHINDUCTOR_CACHE_DIR, by default
 /tmp/torchinductor_$USER) and the next process loads it in seconds; on CUDA the same graphs are
@@ -15,8 +17,10 @@ before the next replay overwrites them. The CPU runs the same code path without 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -81,11 +85,15 @@ class StaticSteps:
 
     fn's first argument has the padded token count M in dim 1; `key` (any hashable naming the shapes,
     e.g. (B, M, last_only)) decides when a call is the first of its kind. `notify(message)` is told
-    before each first call (a user's first generate says it is compiling).
+    before each first call (a user's first generate says it is compiling). `eager_above`: the caller runs
+    calls of more rows than this eagerly, unpadded (`runs_eager`; see Transformer.compile_steps).
     """
 
+    skip_guards = True  # a key's calls after its guards passed once skip them (unguarded); False: every call checks
+
     def __init__(self, fn: Callable, name: str, sizes=None, device: torch.device | None = None,
-                 options: dict | None = None, notify: Callable[[str], None] | None = None) -> None:
+                 options: dict | None = None, notify: Callable[[str], None] | None = None,
+                 eager_above: int | None = None) -> None:
         for knob in ("recompile_limit", "accumulated_recompile_limit"):  # one graph per size, batch,
             limit = getattr(torch._dynamo.config, knob, None)  # variant, cache size class (Transformer.
             if limit is not None and limit < 512:  # setup_caches) and model: more than dynamo's 8 and 256
@@ -94,7 +102,9 @@ class StaticSteps:
         self.sizes = check_sizes(sizes or default_sizes(self.device))
         self.name = name
         self.mode = compile_mode(self.device)
+        self.raw = fn
         self.fn = torch.compile(fn, dynamic=False, mode=self.mode, options=None if self.mode else options)
+        self.direct: dict = {}  # (key, grad mode, inference mode) -> unguarded(...) or None (see __call__)
         self.notify = notify or log.info
         # whether the caches take each request's size class, smaller ones too (Transformer.setup_caches): on
         # the CPU a step's attention over rows it never reads costs more than compiling the class (a 1.5B W4
@@ -103,6 +113,7 @@ class StaticSteps:
         # only grow there and a run compiles its largest class alone (runtime.compiled.compile_levels)
         self.shrink = self.device.type != "cuda"
         self.seen: set = set()
+        self.eager_above = eager_above
         self.compile_s = 0.0  # wall time of first calls (compile + one run)
         self.compiles = 0
         self.calls = 0
@@ -116,6 +127,10 @@ class StaticSteps:
         """Calls per shape that make it steady: CUDA graph trees run a new graph eagerly once, record it on
         the second call and replay it from the third; elsewhere the first call compiles and that is all."""
         return 3 if self.mode == "reduce-overhead" else 1
+
+    def runs_eager(self, m: int) -> bool:
+        """Whether a call of m rows runs eagerly, unpadded, instead of through the compiled steps."""
+        return self.eager_above is not None and m > self.eager_above
 
     @property
     def largest(self) -> int:
@@ -144,8 +159,14 @@ class StaticSteps:
 
     def __call__(self, key, *args):
         self.calls += 1
-        if key in self.seen:
+        state = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        direct = self.direct.get(state) if self.skip_guards else None
+        if direct is not None:  # the compiled code of this key, its guards passed once (unguarded)
+            out = direct(*args)
+        elif key in self.seen:
             out = self.fn(*args)
+            if self.skip_guards and state not in self.direct:
+                self.direct[state] = unguarded(self.raw, args)
         else:
             self.notify(f"compiling {self.name}'s {key} step (first use; cached in {cache_dir()})")
             t0 = time.perf_counter()
@@ -158,6 +179,30 @@ class StaticSteps:
         if self.mode == "reduce-overhead":  # the next replay overwrites a graph's outputs
             out = out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
         return out
+
+
+def unguarded(fn: Callable, args: tuple) -> Callable | None:
+    """The code torch.compile made for fn(*args), as a plain function that calls the compiled graph without
+    evaluating its guards again; None where torch keeps no entry whose guards these arguments pass.
+
+    Dynamo checks a step's guards at every call: ~2,700 of them for a 24-layer model, over its modules'
+    types, dicts and tensors, ~1 ms a call on a 2-core AMD EPYC (a 0.5B W4 copy's 14 ms step), host time that
+    a CUDA graph replay waits for. A StaticSteps key names everything a step's graph depends on (batch, M,
+    logits kind, cache size, the layers whose features it returns), and the model's modules do not change
+    between calls, so once a key's guards have passed, its later calls with the same grad and inference modes
+    can skip them."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # torch internals: else guarded
+    except ImportError:
+        return None
+    func, bound = getattr(fn, "__func__", fn), (fn.__self__,) if hasattr(fn, "__self__") else ()
+    code = func.__code__
+    f_locals = dict(zip(code.co_varnames[:code.co_argcount], bound + tuple(args)))
+    for entry in _debug_get_cache_entry_list(code):
+        if entry.guard_manager.check(f_locals):
+            plain = types.FunctionType(entry.code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+            return functools.partial(plain, *bound)
+    return None
 
 
 def positions(start: int, n: int, device) -> Tensor:

@@ -121,8 +121,8 @@ def test_norm_refuses_a_mismatched_input():
 def test_a_bf16_models_compiled_steps_and_prompts_get_the_eager_bits():
     """Every reduction of a bound bf16 model runs on the kernel (linears, attention, norms, each row alone) and
     inductor rounds every pointwise op's result as eager does (prepare.CPU_INDUCTOR_OPTIONS), so compiled steps of
-    any size, padded, and a prompt in compiled chunks give the bits of eager calls, which give a row's bits in
-    one call or several."""
+    any size, padded, give the bits of eager calls, which give a row's bits in one call or several; calls longer
+    than the second largest size (prompts) run eagerly, unpadded (Transformer.compile_steps)."""
     from polybasic.models.prepare import compile_for_device
     from tests.helpers import lean_from_hf, tiny_hf_llama
 
@@ -138,6 +138,7 @@ def test_a_bf16_models_compiled_steps_and_prompts_get_the_eager_bits():
         for start, m in [(0, 37), (37, 1), (38, 3), (41, 4), (39, 2), (41, 16), (57, 1)]:  # with rollbacks
             a, b = eager(ids[:, start:start + m], start), comp(ids[:, start:start + m], start)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (start, m)
+        assert {key[1] for key in comp._static.seen} == {1, 4}  # 37 and 16 rows ran eagerly
         whole = eager(ids[:, :40], 0)[0]
         pieces = torch.cat([parts(ids[:, a:e], a)[0] for a, e in [(0, 9), (9, 10), (10, 40)]], 1)
         assert torch.equal(whole, pieces)

@@ -236,3 +236,32 @@ def test_caches_take_each_requests_size_class_and_compile_levels_warms_them():
         assert out == list(generate_tokens(models["target"], prompt, 12, eos={1}))
     assert steps.compiles == compiles  # every class was warmed before the first request
     assert counters["frames"]["ok"] == frames  # and dynamo recompiled nothing on a class switch
+
+
+def test_seen_steps_skip_their_guards_and_stay_exact(hf):
+    """Once a step's guards have passed for its key, its later calls run the compiled code without them
+    (models.static.unguarded): the same outputs as the guarded calls and as eager ones, at every size and
+    after rollbacks; in another grad mode a call is guarded again."""
+    eager, comp = lean_from_hf(hf), lean_from_hf(hf)
+    compile_levels([ModelLevel(comp)], MAX_LEN, sizes=SIZES)
+    eager.setup_caches(MAX_LEN)
+    steps = comp._static
+    ids = torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(4))
+    calls = [(0, 19), (19, 1), (20, 3), (23, 8), (21, 2), (23, 1), (24, 4)]
+
+    def run():
+        with torch.inference_mode():
+            for start, m in calls:
+                a, ha = eager(ids[:, start:start + m], start)
+                b, hb = comp(ids[:, start:start + m], start)
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(hb, ha, rtol=1e-4, atol=1e-4)
+                yield b
+
+    guarded = list(run())
+    assert any(f is not None for f in steps.direct.values()), "no step found its compiled code"
+    compiled, steps.fn = steps.fn, None  # from here on, a guarded call would fail
+    assert all(torch.equal(x, y) for x, y in zip(run(), guarded))
+    with torch.no_grad(), pytest.raises(TypeError):  # another grad mode: guarded again (here: no step)
+        comp(ids[:, 20:21], 20)
+    steps.fn = compiled
