@@ -198,10 +198,14 @@ def unguarded(fn: Callable, args: tuple) -> Callable | None:
     func, bound = getattr(fn, "__func__", fn), (fn.__self__,) if hasattr(fn, "__self__") else ()
     code = func.__code__
     f_locals = dict(zip(code.co_varnames[:code.co_argcount], bound + tuple(args)))
-    for entry in _debug_get_cache_entry_list(code):
-        if entry.guard_manager.check(f_locals):
-            plain = types.FunctionType(entry.code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
-            return functools.partial(plain, *bound)
+    try:
+        for entry in _debug_get_cache_entry_list(code):
+            if entry.guard_manager.check(f_locals):
+                plain = types.FunctionType(entry.code, func.__globals__, func.__name__, func.__defaults__,
+                                           func.__closure__)
+                return functools.partial(plain, *bound)
+    except (AttributeError, TypeError, RuntimeError):  # another torch's cache entries: stay guarded
+        return None
     return None
 
 
