@@ -30,10 +30,10 @@ def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from experiments.graph_steps import smollm2_shaped
+    from polybasic.models.static import StaticSteps
     from polybasic.runtime.chain import Chain
     from polybasic.runtime.compiled import compile_levels
     from polybasic.runtime.generate import generate_tokens
-    from polybasic.models.static import StaticSteps
     from polybasic.runtime.levels import ModelLevel, NGramLevel
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -20,7 +20,7 @@ from polybasic.models.args import ModelArgs
 from polybasic.models.blocks import KVCache, RMSNorm, rope_tables
 from polybasic.models.families import block_for, family_for
 from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES, attach_codes, project
-from polybasic.models.static import StaticSteps, check_sizes, default_sizes, pad_rows, positions
+from polybasic.models.static import StaticSteps, pad_rows, positions
 
 
 class Transformer(nn.Module):
@@ -129,10 +129,9 @@ class Transformer(nn.Module):
         """
         coded = attach_codes(self, gguf) if gguf is not None else 0
         if self._static is None:
-            sizes = check_sizes(sizes or default_sizes(self.device))
-            invariant = self.device.type == "cpu" and self.dtype in ROW_INVARIANT_DTYPES and len(sizes) > 1
+            invariant = self.device.type == "cpu" and self.dtype in ROW_INVARIANT_DTYPES
             self._static = StaticSteps(self._static_forward, "the model", sizes, self.device, options, notify,
-                                       eager_above=sizes[-2] if invariant else None)
+                                       eager_long=invariant)
             self.max_seq_len = 0  # the next setup_caches sizes the caches for static steps
         return coded
 

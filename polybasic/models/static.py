@@ -85,15 +85,15 @@ class StaticSteps:
 
     fn's first argument has the padded token count M in dim 1; `key` (any hashable naming the shapes,
     e.g. (B, M, last_only)) decides when a call is the first of its kind. `notify(message)` is told
-    before each first call (a user's first generate says it is compiling). `eager_above`: the caller runs
-    calls of more rows than this eagerly, unpadded (`runs_eager`; see Transformer.compile_steps).
+    before each first call (a user's first generate says it is compiling). `eager_long`: the caller runs calls
+    of more rows than the second largest size eagerly, unpadded (`runs_eager`; see Transformer.compile_steps).
     """
 
     skip_guards = True  # a key's calls after its guards passed once skip them (unguarded); False: every call checks
 
     def __init__(self, fn: Callable, name: str, sizes=None, device: torch.device | None = None,
                  options: dict | None = None, notify: Callable[[str], None] | None = None,
-                 eager_above: int | None = None) -> None:
+                 eager_long: bool = False) -> None:
         for knob in ("recompile_limit", "accumulated_recompile_limit"):  # one graph per size, batch,
             limit = getattr(torch._dynamo.config, knob, None)  # variant, cache size class (Transformer.
             if limit is not None and limit < 512:  # setup_caches) and model: more than dynamo's 8 and 256
@@ -113,7 +113,7 @@ class StaticSteps:
         # only grow there and a run compiles its largest class alone (runtime.compiled.compile_levels)
         self.shrink = self.device.type != "cuda"
         self.seen: set = set()
-        self.eager_above = eager_above
+        self.eager_above = self.sizes[-2] if eager_long and len(self.sizes) > 1 else None  # see runs_eager
         self.compile_s = 0.0  # wall time of first calls (compile + one run)
         self.compiles = 0
         self.calls = 0
