@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define PB_VNNI 1
@@ -59,23 +60,74 @@ int64_t tile_bytes(int64_t K) {
   return (ng + Width<W>::SB - 1) / Width<W>::SB * HEAD + ng * Width<W>::BLOCK;
 }
 
-// x [M, K] -> xq [M, K] int8, a [M, K/G], xsum [M, K/G]
+// x [M, K] -> xq [M, K] int8, a [M, K/G], xsum [M, K/G]. A group's sum is taken in one fixed order, lanes
+// j and j + 16 first (32-column groups), then halves 8, 4, 2, 1 apart: AVX-512's reduction, and the plain
+// loop below adds in the same order, so both give the same bits.
+float tree_sum16(float* p) {  // p[16], overwritten
+  for (int64_t half = 8; half >= 1; half /= 2)
+    for (int64_t j = 0; j < half; ++j) p[j] += p[j + half];
+  return p[0];
+}
+
 template <int64_t G, typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* a, float* xsum) {
+void quantize_group(const T* x, int8_t* xq, float* a, float* xsum) {
+  float v[G], p[16];
+  float amax = 0.f;
+  for (int64_t k = 0; k < G; ++k) {
+    v[k] = static_cast<float>(x[k]);
+    amax = std::fmax(amax, std::fabs(v[k]));
+  }
+  for (int64_t j = 0; j < 16; ++j) p[j] = G == 32 ? v[j] + v[j + 16] : v[j];
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t k = 0; k < G; ++k) xq[k] = static_cast<int8_t>(std::nearbyint(v[k] * inv));
+  *a = amax / 127.f;
+  *xsum = tree_sum16(p);
+}
+
+#if PB_VNNI
+template <typename T>
+__m512 load16_ps(const T* x) {  // 16 values of x -> fp32 (exact)
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(x);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  if constexpr (std::is_same_v<T, at::Half>) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16: the top 16 bits
+}
+
+float hsum16(__m512 v) {  // tree_sum16's order
+  const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+template <int64_t G, typename T>
+void quantize_group_vnni(const T* x, int8_t* xq, float* a, float* xsum) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 v0 = load16_ps(x), v1 = G == 32 ? load16_ps(x + 16) : _mm512_setzero_ps();
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  // round to nearest even (the default MXCSR mode, as nearbyint), then narrow: |values| <= 127
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+  if constexpr (G == 32)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+  *a = amax / 127.f;
+  *xsum = hsum16(G == 32 ? _mm512_add_ps(v0, v1) : v0);
+}
+#endif
+
+template <int64_t G, typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* a, float* xsum, bool plain) {
   const int64_t ng = K / G;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < ng; ++g) {
-      float v[G];
-      float amax = 0.f, sum = 0.f;
-      for (int64_t k = 0; k < G; ++k) {
-        v[k] = static_cast<float>(x[m * K + g * G + k]);
-        amax = std::fmax(amax, std::fabs(v[k]));
-        sum += v[k];
+      const int64_t at = m * K + g * G, i = m * ng + g;
+#if PB_VNNI
+      if (!plain) {
+        quantize_group_vnni<G>(x + at, xq + at, a + i, xsum + i);
+        continue;
       }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t k = 0; k < G; ++k) xq[m * K + g * G + k] = static_cast<int8_t>(std::nearbyint(v[k] * inv));
-      a[m * ng + g] = amax / 127.f;
-      xsum[m * ng + g] = sum;
+#endif
+      quantize_group<G>(x + at, xq + at, a + i, xsum + i);
     }
 }
 
@@ -193,6 +245,7 @@ void tiles_vnni(const uint8_t* w, const int8_t* xq, const float* a, const float*
 // tiles_vnni<W, mb> for mb in 1..MB_MAX: a verification of up to 8 rows reads the weights once
 // (8 accumulators, 8 code registers and the scale terms fit AVX-512's 32 registers)
 constexpr int MB_MAX = 8;
+constexpr int64_t BLOCK_BYTES = 1 << 18;  // weight bytes per block of tiles a long call reuses (a quarter of Zen 4's L2)
 template <int W, typename T, int MB = 1>
 void rows_dispatch(int mb, const uint8_t* w, const int8_t* xq, const float* a, const float* xsum, T* y,
                    int64_t N, int64_t K, int64_t t0, int64_t t1) {
@@ -209,18 +262,22 @@ void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y, bool plai
   const int64_t M = x.size(0), K = x.size(1), nt = packed.size(0), N = nt * TN, ng = K / G;
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor a = at::empty({M, ng}, x.options().dtype(at::kFloat)), xsum = at::empty({M, ng}, a.options());
-  quantize_rows<G>(x.data_ptr<T>(), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(), xsum.data_ptr<float>());
+  quantize_rows<G>(x.data_ptr<T>(), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(), xsum.data_ptr<float>(), plain);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int8_t* q = xq.data_ptr<int8_t>();
   const float *ap = a.data_ptr<float>(), *sp = xsum.data_ptr<float>();
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, nt, 4, [&](int64_t t0, int64_t t1) {  // needs -fopenmp, or it runs on one thread
 #if PB_VNNI
-    if (!plain) {
-      for (int64_t m = 0; m < M; m += MB_MAX) {
-        const int64_t mb = std::min<int64_t>(MB_MAX, M - m);
-        rows_dispatch<W, T>(static_cast<int>(mb), w, q + m * K, ap + m * ng, sp + m * ng, yp + m * N, N, K, t0, t1);
-      }
+    if (!plain) {  // more than MB_MAX rows (prompts): each block of tiles, read from memory once, serves every
+      // row from the cache
+      const int64_t block = std::max<int64_t>(1, BLOCK_BYTES / tile_bytes<W>(K));
+      for (int64_t b0 = t0; b0 < t1; b0 += block)
+        for (int64_t m = 0; m < M; m += MB_MAX) {
+          const int64_t mb = std::min<int64_t>(MB_MAX, M - m);
+          rows_dispatch<W, T>(static_cast<int>(mb), w, q + m * K, ap + m * ng, sp + m * ng, yp + m * N, N, K, b0,
+                              std::min(b0 + block, t1));
+        }
       return;
     }
 #endif
