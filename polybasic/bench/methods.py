@@ -21,7 +21,7 @@ from polybasic.config import SamplingConfig, check_dtype
 from polybasic.errors import ConfigError
 from polybasic.models import load_hf_model
 from polybasic.models.loader import LoadedModel
-from polybasic.models.preflight import check_source
+from polybasic.models.preflight import check_source, split_kernel
 from polybasic.models.static import covering, decode_sizes
 from polybasic.quant.api import load_any_model
 from polybasic.runtime.chain import Chain, scored_rows
@@ -163,23 +163,32 @@ def _check_dtype_arg(arg: str, field: str) -> None:
 def _vanilla(ctx: BenchContext, arg: str | None) -> Runner:
     """Our lean decoder, one token per forward: on the target (the reference), or with vanilla:DTYPE
     on the target loaded again in DTYPE (a second copy in memory)."""
-    return _generate_runner(ctx, ctx.model if arg is None else _target_in(ctx, arg, "vanilla"))
+    return _generate_runner(ctx, ctx.model if arg is None else _target_in(ctx, arg, f"vanilla:{arg}"))
 
 
-def _target_in(ctx: BenchContext, dtype: str | None, method: str):
-    """A separate copy of the target: in `dtype` loaded again from its source, or a deep copy."""
+def _target_in(ctx: BenchContext, dtype: str | None, method: str, source: str | None = None):
+    """A separate copy of the target: in `dtype` loaded again from its source (or from `source`), or a
+    deep copy."""
     if dtype is None:
         import copy
 
         return copy.deepcopy(ctx.model)
 
     if not ctx.source:
-        raise ConfigError(f"methods: '{method}:{dtype}' loads the target again; pass --model")
-    return load_any_model(ctx.source, dtype, ctx.model.device).model
+        raise ConfigError(f"methods: '{method}' loads the target again; pass --model")
+    return load_any_model(source or ctx.source, dtype, ctx.model.device).model
+
+
+@register("vanilla-dense", MethodArg("DTYPE", check=_check_dtype_arg))
+def _vanilla_dense(ctx: BenchContext, arg: str | None) -> Runner:
+    """Our lean decoder on the target without a codes kernel: for a 'NAME@w4a8' target, NAME's weights
+    expanded into DTYPE (default --dtype), the dense model that kernel is measured against (the same
+    file's weights, activations not quantized); for any other target, the target loaded again."""
+    return _generate_runner(ctx, _target_in(ctx, arg or ctx.dtype, "vanilla-dense", split_kernel(ctx.source)[0]))
 
 
 def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, method: str) -> Runner:
-    model = _target_in(ctx, dtype, method)
+    model = _target_in(ctx, dtype, f"{method}:{dtype}")
     _compile_levels(ctx, [ModelLevel(model)], gguf, f"{method}:{dtype}" if dtype else method,
                     decode_sizes(ctx.step_sizes, model.device), decode=True)
     return _generate_runner(ctx, model)

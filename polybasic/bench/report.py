@@ -132,7 +132,8 @@ def markdown(doc: dict) -> str:
         "drafts + 1; verifications of an empty draft, such as the budget's last token, left out); links = that length for every link of a chain (verifier<-drafter); identical = prompts "
         "whose tokens equal vanilla's (greedy only); = compiled = prompts whose tokens equal vanilla-compiled's, when "
         "the run has it (a compiled chain's own reference). Methods that run the target in another dtype "
-        "(vanilla:DTYPE) or with other numerics (transformers, compiled steps) are not expected to be "
+        "(vanilla:DTYPE) or with other numerics (vanilla-dense without a codes kernel, transformers, compiled steps) "
+        "are not expected to be "
         "identical: a different kernel or rounding can flip a near-tie.", "",
         *_fastest_sentence(doc),
         _md(*_rows(doc)), "", *[f"- {line}" for line in _compile_lines(doc)], "", "## Per category", "", _md(*_cat_rows(doc)), "",

@@ -85,10 +85,10 @@ def validate(a: argparse.Namespace):
     cats = [c.strip() for c in a.categories.split(",") if c.strip()] if a.categories else None
     questions = select(load_questions(a.questions), a.per_category, cats)
     if check_source(a.model, "--model") == "quantized":
-        again = [m for m in methods if m.startswith("vanilla") and ":" in m]
+        again = [m for m in methods if m.startswith("vanilla") and (":" in m or m.startswith("vanilla-dense"))]
         if again:
-            raise ConfigError(f"methods: '{again[0]}' loads the target again in another dtype, but a quantized "
-                              "copy runs in the dtype it was saved with; drop it")
+            raise ConfigError(f"methods: '{again[0]}' loads the target again in another dtype or without its "
+                              "kernel, but a quantized copy runs in the dtype and kernels it was saved with; drop it")
     return methods, sampling, questions
 
 

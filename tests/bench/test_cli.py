@@ -43,7 +43,8 @@ def quantized_file(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("method, words", [
-    ("vanilla:bf16", "a quantized copy runs in the dtype it was saved with"),
+    ("vanilla:bf16", "a quantized copy runs in the dtype and kernels it was saved with"),
+    ("vanilla-dense", "loads the target again in another dtype or without its kernel"),
     ("hf-assisted:{q}", "a quantized copy has no transformers model"),
 ])
 def test_quantized_sources_fail_before_loading(questions_file, quantized_file, capsys, method, words):

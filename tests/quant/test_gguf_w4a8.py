@@ -146,3 +146,18 @@ def test_w4a8_sources_are_checked_before_loading(tiny_gguf, tmp_path):
         load_model(f"{tiny_gguf}@w4a8")
     with pytest.raises(ConfigError, match="runs on a CPU, not meta"):
         load_any_model(f"{tiny_gguf}@w4a8", "bfloat16", "meta")
+
+
+def test_bench_vanilla_dense_runs_the_files_weights_without_the_kernel(tiny_gguf, monkeypatch):
+    """`vanilla-dense[:DTYPE]` beside a NAME@w4a8 target: NAME loaded again, dense, in DTYPE (default --dtype)."""
+    from polybasic.bench import methods
+
+    loads = []
+    real = methods.load_any_model
+    monkeypatch.setattr(methods, "load_any_model", lambda *a: loads.append(a[:2]) or real(*a))
+    prompt = torch.randint(2, 128, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    for method, dtype in (("vanilla-dense", "bfloat16"), ("vanilla-dense:float32", "float32")):
+        dense = load_model(str(tiny_gguf), dtype).model
+        ctx = methods.BenchContext(dense, None, {1}, 12, source=f"{tiny_gguf}@w4a8", dtype="bfloat16")
+        assert methods.make_runner(method, ctx)(prompt, 0).tokens == list(generate_tokens(dense, prompt, 12, eos={1}))
+        assert loads[-1] == (str(tiny_gguf), dtype)
