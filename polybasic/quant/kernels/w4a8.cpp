@@ -8,9 +8,9 @@
 // as u = q, o = -32 s). The scales and offsets are 8-bit per group times an fp16 factor per row and
 // super-block of 256 columns (8 groups of 32 or 16 of 16), as in llama.cpp's Q4_K and Q6_K: s = ds * s8,
 // o = dof * o8 (exact in fp32). Activations are quantized per group (32 or 16) at every call:
-// a = max|x| / 127, xq = round(x / a); xsum is the exact sum of x. Every output row is computed by the
-// same code in the same order whatever the number of rows (row-invariant), so a model's one-token steps
-// and its verifications of several rows give the same bits.
+// a = max|x| / 127, xq = round(x * 127 / max|x|); xsum is the sum of x in fp32, in a fixed order (tree_sum16).
+// Every output row is computed by the same code in the same order whatever the number of rows
+// (row-invariant), so a model's one-token steps and its verifications of several rows give the same bits.
 //
 // Layout, [N/16, bytes per tile]: row tile t (rows 16t..16t+15) is one stream of super-blocks, each
 // 64 bytes of header (16 fp16 ds, then 16 fp16 dof: one per row) and then, per group of the super-block
