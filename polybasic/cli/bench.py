@@ -11,8 +11,9 @@ from polybasic.runtime.chainspec import CHAIN_HELP
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="Spec-Bench speed benchmark (tokens/s, speedup, tau)",
                        description=f"Spec-Bench speed benchmark of decoding methods on one target.\nMethods: {', '.join(METHOD_NAMES)}; vanilla:DTYPE runs our "
-                                   f"decoder on the target loaded again in DTYPE; vanilla-dense[:DTYPE] runs it on a NAME@w4a8 target's "
-                                   f"weights expanded into DTYPE (default --dtype), without the codes kernel; hf-assisted:SOURCE[@DTYPE] runs "
+                                   f"decoder on the target loaded again in DTYPE; vanilla-dense[:DTYPE] runs it on "
+                                   f"a NAME@w4a8 target's weights expanded into DTYPE (default --dtype), without the "
+                                   f"codes kernel; hf-assisted:SOURCE[@DTYPE] runs "
                                    f"transformers assisted generation with that assistant (same tokenizer as the "
                                    f"target; DTYPE defaults to --dtype); chain:SPEC runs a chain spelled as for "
                                    f"`generate --chain`; chain alone runs the --bundle's chain; "
