@@ -77,7 +77,10 @@ void quantize_group(const T* x, int8_t* xq, float* a, float* xsum) {
     v[k] = static_cast<float>(x[k]);
     amax = std::fmax(amax, std::fabs(v[k]));
   }
-  for (int64_t j = 0; j < 16; ++j) p[j] = G == 32 ? v[j] + v[j + 16] : v[j];
+  for (int64_t j = 0; j < 16; ++j) {
+    if constexpr (G == 32) p[j] = v[j] + v[j + 16];
+    else p[j] = v[j];
+  }
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   for (int64_t k = 0; k < G; ++k) xq[k] = static_cast<int8_t>(std::nearbyint(v[k] * inv));
   *a = amax / 127.f;
