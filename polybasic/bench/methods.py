@@ -4,11 +4,11 @@ A runner takes prompt ids and a seed and returns the new token ids with the wall
 same way for every method: from prompt ids in hand to the last new token (prefill included). Add a
 method with `@register("name")` on a factory `(ctx, arg) -> Runner`; a name may carry an argument
 after a colon (`chain:target+quant+head` calls the `chain` factory with arg "target+quant+head"),
-declared with `register(name, MethodArg(...))`, whose cheap check runs before any model loads.
+declared with `register(name, MethodArg(...))`, whose cheap check runs before any model loads. Peer
+engines (llama.cpp) run in a child process each (PeerRunner, polybasic.bench.peers).
 """
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from polybasic.bench import PEER_TIMEOUT_S
+from polybasic.bench.peers import PeerProcess
 from polybasic.config import SamplingConfig, check_dtype
 from polybasic.errors import ConfigError
 from polybasic.models import load_hf_model
@@ -59,6 +61,7 @@ class BenchContext:
     # None: the bundle's for its chain, else 0)
     thresholds: list[int] | None = None  # chain:SPEC's middle levels (Chain.thresholds; None: k + 1 each)
     step_sizes: list[int] | None = None  # token counts the *-compiled methods compile (None: models.static's)
+    compile_mode: str = "layers"  # the *-compiled methods' graphs on a CPU (models.prepare.compile_for_device)
     source: str = ""  # the target's model source (chain specs may say 'target@DTYPE')
     dtype: str = "float32"  # the target's dtype (--dtype): hf-assisted's assistant defaults to it
     prompt_tokens: tuple[int, ...] = ()  # every prompt's length in the run (compiled runners warm each one's
@@ -71,6 +74,7 @@ class BenchContext:
     drafts_compiled_levels: dict = field(default_factory=dict)  # chain-drafts-compiled's: the eager target over compiled copies
     compiled_target: object = None  # the target's compiled copy, shared by the compiled chain methods
     compile_s: dict = field(default_factory=dict)  # method -> seconds its models took to compile and warm
+    peer_timeout: float = PEER_TIMEOUT_S  # seconds a peer's process may take per request before it counts as hung
     _hf: object = field(default=None, repr=False)
 
     @property
@@ -196,10 +200,10 @@ def _compiled_runner(ctx: BenchContext, gguf: Path | None, dtype: str | None, me
 
 def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: str, sizes=None,
                     decode: bool = False, rows: list[int] = ()) -> None:
-    """Compile `levels` (target first) for the run's requests, every step size (`sizes`, default the run's
+    """Compile `levels` (target first) for the run's requests, every step size they use (`sizes`, default the run's
     --step-sizes; with `decode`, a lone model's two plain-decoding steps; plus `rows`, the most rows a chain's
-    levels score in one call, runtime.chain.scored_rows) and cache size at once (no compile lands in a timed
-    prompt), and record the time it took in ctx.compile_s[method]."""
+    levels score in one call, runtime.chain.scored_rows, each level's sizes up to its own) and cache size at once
+    (no compile lands in a timed prompt), and record the time it took in ctx.compile_s[method]."""
     cap = ctx.model.args.max_seq_len
     lengths = [min(cap, n + ctx.max_new_tokens + 1) for n in ctx.prompt_tokens] or [min(cap, 256)]
     say = lambda msg: print(f"[{method}: {msg}]", file=sys.stderr)  # noqa: E731
@@ -209,7 +213,7 @@ def _compile_levels(ctx: BenchContext, levels: list, gguf: Path | None, method: 
         say(f"step sizes {','.join(map(str, sizes))}: with {','.join(map(str, added))}, "
             "the most rows a level verifies in a call, which would run padded to the largest size")
     ctx.compile_s[method] = compile_levels(levels, max(lengths), gguf, sizes, say, f"--methods {method}",
-                                           lengths, decode)
+                                           lengths, decode, rows, ctx.compile_mode)
 
 
 @register("vanilla-compiled", MethodArg("DTYPE", check=_check_dtype_arg))
@@ -382,45 +386,49 @@ def _chain_drafts_compiled(ctx: BenchContext, arg: str | None) -> Runner:
     return _chain_runner(ctx, lambda: levels, ctx.thresholds)
 
 
-# -- peers: llama.cpp on the target's own GGUF file (the optional extra [peers]) -----------------------
+# -- peers: llama.cpp on the target's own GGUF file (the optional extra [peers]), each in its own process ----
+LLAMA_CPP_AMX_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON '
+                       '-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install "llama-cpp-python>=0.3"')
+
+
 def _llama_cpp_missing() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return ("llama.cpp's Python binding is not installed: pip install 'polybasic[peers]' (llama-cpp-python "
-                "builds llama.cpp from source with cmake and a C++ compiler, ~11 min on 2 cores)")
+                "builds llama.cpp from source with cmake and a C++ compiler, ~11 min on 2 cores); on an Intel Xeon "
+                f"with AMX, where a native build segfaults in llama_decode, build it with: {LLAMA_CPP_AMX_BUILD}")
     return None
 
 
-def _llama(ctx: BenchContext, method: str, **kw):
-    """llama.cpp on the target's GGUF, CPU threads as torch's, context for the run's longest prompt."""
-    import llama_cpp  # the optional extra [peers], checked by parse_methods
+class PeerRunner:
+    """A Runner whose engine decodes in a child process (polybasic.bench.peers): the same prompt ids,
+    budget, EOS ids, sampler settings and seed as our methods; the wall time the child measured around its
+    decode. A crash, exit or hang of the child raises MethodFailed."""
 
+    def __init__(self, ctx: BenchContext, method: str, engine: str, settings: dict) -> None:
+        self.process = PeerProcess(method, engine, {**_peer_settings(ctx), **settings}, ctx.peer_timeout)
+
+    def __call__(self, prompt_ids: list[int], seed: int) -> Output:
+        reply = self.process.request({"prompt": list(prompt_ids), "seed": seed})
+        return Output(reply["tokens"], reply["wall_s"])
+
+    def close(self) -> None:
+        self.process.close()
+
+
+def _peer_settings(ctx: BenchContext) -> dict:
+    """The request settings every peer engine gets (JSON)."""
+    s = ctx.sampling
+    return {"max_new_tokens": ctx.max_new_tokens, "eos": sorted(ctx.eos), "temperature": s.temperature,
+            "top_k": s.top_k, "top_p": s.top_p, "draft_tokens": ctx.draft_tokens,
+            "threads": torch.get_num_threads(), "gpu": ctx.model.device.type == "cuda"}
+
+
+def _llama_settings(ctx: BenchContext, method: str) -> dict:
+    """llama.cpp's: the target's GGUF and a context for the run's longest prompt."""
     if ctx.gguf is None:
         raise ConfigError(f"methods: '{method}' runs the target's GGUF file in llama.cpp, but the target was not "
                           "loaded from one; pass a packaged short name or a .gguf file as --model")
-    llm = llama_cpp.Llama(model_path=str(ctx.gguf), n_ctx=ctx.max_prompt_tokens + ctx.max_new_tokens + 8,
-                          n_batch=512, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
-                          n_gpu_layers=-1 if ctx.model.device.type == "cuda" else 0, verbose=False, **kw)
-    atexit.register(llm.close)  # freed before interpreter shutdown (its finalizer fails once modules are gone)
-    return llm
-
-
-def _llama_runner(ctx: BenchContext, llm) -> Runner:
-    """Our prompt ids (the same chat template) into llama.cpp, its own sampler set to ours (greedy at
-    temperature 0; no min-p, repetition or other penalties), stopping at our EOS ids or the budget."""
-    s = ctx.sampling
-
-    def run(prompt_ids: list[int], seed: int) -> Output:
-        llm.reset()
-        llm.set_seed(seed)
-        tokens = []
-        with timed("cpu") as t:
-            for tok in llm.generate(prompt_ids, temp=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=0.0,
-                                    typical_p=1.0, repeat_penalty=1.0, reset=True):
-                tokens.append(int(tok))
-                if tok in ctx.eos or len(tokens) >= ctx.max_new_tokens:
-                    break
-        return Output(tokens, t.seconds)
-    return run
+    return {"gguf": str(ctx.gguf), "n_ctx": ctx.max_prompt_tokens + ctx.max_new_tokens + 8}
 
 
 @register("llamacpp", needs=_llama_cpp_missing)
@@ -428,7 +436,7 @@ def _llamacpp(ctx: BenchContext, arg: str | None) -> Runner:
     """llama.cpp (through llama-cpp-python) decoding the target's own GGUF file: the CPU engine a user
     already has, side by side in the same run. Other kernels than ours: its greedy output agrees with
     vanilla's on most prompts, not all (the report's `identical` column counts them)."""
-    return _llama_runner(ctx, _llama(ctx, "llamacpp"))
+    return PeerRunner(ctx, "llamacpp", "polybasic.bench.llama_peer:llamacpp", _llama_settings(ctx, "llamacpp"))
 
 
 @register("llamacpp-pld", needs=_llama_cpp_missing)
@@ -436,8 +444,5 @@ def _llamacpp_pld(ctx: BenchContext, arg: str | None) -> Runner:
     """llama.cpp with its prompt-lookup drafts (llama-cpp-python's LlamaPromptLookupDecoding, k =
     --draft-tokens, n-grams up to 3), the peer of our `pld`. Not bitwise lossless: llama.cpp's batched
     verification rounds otherwise than its one-token step, so its output may drift from `llamacpp`'s."""
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    # logits_all: its draft path reads every position's logits (without it a prompt longer than n_batch fails)
-    return _llama_runner(ctx, _llama(ctx, "llamacpp-pld", logits_all=True, draft_model=LlamaPromptLookupDecoding(
-        max_ngram_size=3, num_pred_tokens=ctx.draft_tokens)))
+    return PeerRunner(ctx, "llamacpp-pld", "polybasic.bench.llama_peer:llamacpp_pld",
+                      _llama_settings(ctx, "llamacpp-pld"))

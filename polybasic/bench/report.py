@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from polybasic.artifacts import write_text
+from polybasic.bench.identity import identity_lines
 from polybasic.bench.plots import plot_speedup
 
 
@@ -65,7 +66,23 @@ def _rows(doc: dict) -> tuple[list[str], list[list[str]]]:
              *([v.get("identical_to_vanilla_compiled") or "n/a"] if compiled else []),
              _f(v["predicted_speedup"], ".2f")]
             for m, v in doc["methods"].items()]
+    rows += [[m, "FAILED", *["-"] * (len(head) - 2)] for m in doc.get("failed", {})]
     return head, rows
+
+
+def _failures(doc: dict) -> list[tuple[str, list[str]]]:
+    """Per failed method: (what ended it and where, its last stderr lines)."""
+    out = []
+    for m, f in doc.get("failed", {}).items():
+        where = ("while loading" if f["stage"] == "load" else
+                 f"{'in warm-up ' if f['stage'] == 'warm-up' else ''}on question {f['question_id']} ({f['category']})")
+        out.append((f"{m} FAILED: {f['reason']} {where}; not run on later prompts (every other method's figures "
+                    "stand)" + ("; its last stderr lines:" if f["stderr"] else ""), f["stderr"]))
+    return out
+
+
+def failure_lines(doc: dict) -> list[str]:
+    return [ln for head, tail in _failures(doc) for ln in [head, *[f"    {t}" for t in tail]]]
 
 
 def _cat_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
@@ -93,7 +110,11 @@ def _md(head: list[str], rows: list[list[str]]) -> str:
 
 
 def text_table(doc: dict) -> str:
-    return "\n".join([_plain(*_rows(doc)), *_compile_lines(doc), "", _plain(*_cat_rows(doc))])
+    """The methods' table (with a FAILED row per failed method and why), the per-category table, then a
+    warning per lossless method that is not identical to its reference."""
+    warnings = identity_lines(doc)
+    return "\n".join([_plain(*_rows(doc)), *failure_lines(doc), *_compile_lines(doc), "", _plain(*_cat_rows(doc)),
+                      *([""] + warnings if warnings else [])])
 
 
 def _compile_lines(doc: dict) -> list[str]:
@@ -136,9 +157,22 @@ def markdown(doc: dict) -> str:
         "are not expected to be "
         "identical: a different kernel or rounding can flip a near-tie.", "",
         *_fastest_sentence(doc),
-        _md(*_rows(doc)), "", *[f"- {line}" for line in _compile_lines(doc)], "", "## Per category", "", _md(*_cat_rows(doc)), "",
+        _md(*_rows(doc)), "", *[f"- {line}" for line in _compile_lines(doc)], "", *_md_notes(doc),
+        "## Per category", "", _md(*_cat_rows(doc)), "",
     ]
     return "\n".join(parts)
+
+
+def _md_notes(doc: dict) -> list[str]:
+    """The failed methods (stderr quoted) and the identity warnings, as markdown sections."""
+    out = []
+    if doc.get("failed"):
+        out += ["## Failed methods", ""]
+        for head, tail in _failures(doc):  # the stderr lines as an indented code block
+            out += [head, "", *[f"    {t}" for t in tail], ""]
+    if lines := identity_lines(doc):
+        out += ["## Identity of the lossless methods", "", *[f"- {ln}" for ln in lines], ""]
+    return out
 
 
 def write_outputs(doc: dict, json_path: str | Path | None, report_dir: str | Path | None) -> None:

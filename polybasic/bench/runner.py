@@ -10,10 +10,11 @@ vanilla:DTYPE, vanilla-compiled...) instead of the reference.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
 
 from polybasic.bench.methods import Output, Runner
+from polybasic.bench.peers import Failure, MethodFailed
 
 REFERENCE = "vanilla"
 COMPILED_REFERENCE = "vanilla-compiled"  # compiled chains' own reference: a compiled target rounds as eager does not
@@ -35,34 +36,64 @@ class Record:
 
 
 def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, list[int]]],
-            seed: int = 0, warmup: int = 1, progress: bool = True) -> list[Record]:
+            seed: int = 0, warmup: int = 1, progress: bool = True, *, order: Sequence[str] | None = None,
+            done: Collection[tuple] = (), on_record: Callable[[Record], None] | None = None,
+            on_failure: Callable[[Failure], None] | None = None) -> list[Record]:
     """prompts: (question_id, category, prompt_ids). Method order rotates by one per prompt.
 
     Warm-up runs each method untimed on the first `warmup` prompts (cycled if fewer prompts).
+    order: the rotation's methods (default: the runners'); one without a runner (finished or failed in a
+    resumed run) keeps its place and is skipped. done: (method, question_id, category) pairs measured
+    already (a resumed run), skipped. on_record: told each record as it is measured. on_failure: told a
+    method's MethodFailed (with the prompt it was on), after which the method is skipped; without it the
+    error propagates. Returns the records measured here, in the order measured.
     """
     from tqdm.auto import tqdm
 
-    names = list(runners)
-    total = (warmup + len(prompts)) * len(names)
-    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
+    names, live, done = list(order or runners), dict(runners), set(done)
+    todo = sum((m, q, c) not in done for m in live for q, c, _ in prompts)
+    bar = tqdm(total=warmup * len(live) + todo, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
+    call = _caller(live, on_failure)
     try:
         for w in range(warmup):
-            for name in names:
+            qid, cat, ids = prompts[w % len(prompts)]
+            for name in [n for n in names if n in live]:
                 bar.set_postfix_str(f"warm-up {name}")
-                runners[name](prompts[w % len(prompts)][2], seed)
+                call(name, ids, seed, "warm-up", qid, cat)
                 bar.update()
         records: list[Record] = []
         for i, (qid, cat, ids) in enumerate(prompts):
             r = i % len(names)
             for name in names[r:] + names[:r]:
+                if name not in live or (name, qid, cat) in done:
+                    continue
                 bar.set_postfix_str(f"{cat} {name}")
-                out: Output = runners[name](ids, seed + i)
+                out = call(name, ids, seed + i, "prompt", qid, cat)
+                bar.update()
+                if out is None:
+                    continue
                 records.append(Record(name, qid, cat, len(ids), len(out.tokens), out.wall_s, out.tau,
                                       list(out.tokens), out.accepted, out.links))
-                bar.update()
+                if on_record:
+                    on_record(records[-1])
     finally:
         bar.close()
     return records
+
+
+def _caller(live: dict[str, Runner], on_failure: Callable[[Failure], None] | None):
+    """(name, ids, seed, stage, question_id, category) -> the runner's Output, or None when it failed: the
+    method then leaves `live` and on_failure is told where it was."""
+    def call(name: str, ids: list[int], seed: int, stage: str, qid, cat: str) -> Output | None:
+        try:
+            return live[name](ids, seed)
+        except MethodFailed as e:
+            if on_failure is None:
+                raise
+            del live[name]
+            on_failure(replace(e.failure, method=name, stage=stage, question_id=qid, category=cat))
+            return None
+    return call
 
 
 def _same(records: list[Record], reference: dict) -> int:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from polybasic.bench import BUNDLE_METHODS, DEFAULT_METHODS, METHOD_NAMES
-from polybasic.config import DEFAULT_MODEL
+from polybasic.bench import BUNDLE_METHODS, DEFAULT_METHODS, METHOD_NAMES, PEER_TIMEOUT_S
+from polybasic.config import COMPILE_MODES, DEFAULT_MODEL
 from polybasic.runtime.chainspec import CHAIN_HELP
 
 
@@ -19,8 +19,11 @@ def add_parser(sub) -> None:
                                    f"`generate --chain`; chain alone runs the --bundle's chain; "
                                    f"pld-compiled and chain-compiled[:SPEC] run the same with every level's steps "
                                    f"compiled (their compile time is reported apart); "
-                                   f"llamacpp and llamacpp-pld run llama.cpp on the target's own GGUF file (pip "
-                                   f"install 'polybasic[peers]'; skipped with a message without it).\n\n{CHAIN_HELP}")
+                                   f"llamacpp and llamacpp-pld run llama.cpp on the target's own GGUF file, each in "
+                                   f"its own process (pip install 'polybasic[peers]'; skipped with a message without "
+                                   f"it).\n\nWith --report or --json every measurement is appended to a records file "
+                                   f"as it comes (DIR/records.jsonl, or OUT's name with .records.jsonl); --resume "
+                                   f"continues a killed run from it.\n\n{CHAIN_HELP}")
     p.add_argument("--bundle", default=None, metavar="PATH|HUB_ID",
                    help="a chain bundle: its target is the model, and method `chain` (no spec) runs its chain "
                         "with its k and thresholds, printing the planned (predicted) speedup beside the "
@@ -44,13 +47,17 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--dtype", default="float32", help="dtype of the target's weights")
+    p.add_argument("--dtype", default=None, help="dtype of the target's weights (default: float32; bfloat16 for a "
+                                                 "NAME@w4a8 target; a --bundle's own)")
     p.add_argument("--device", default="cpu",
                    help="where every method runs: cpu, cuda or cuda:N (the report then names the GPU)")
     p.add_argument("--draft-tokens", type=int, default=8, help="k of the n-gram / prompt-lookup drafts")
     p.add_argument("--step-sizes", default=None, metavar="N,N",
                    help="*-compiled methods: the token counts their steps are compiled for, 1 first, the largest "
                         "the prefill chunk (default: 1,2,4,8,12,16,64 on the CPU, 1,16,128 on CUDA); fewer sizes compile faster")
+    p.add_argument("--compile-mode", default="layers", choices=COMPILE_MODES,
+                   help="*-compiled methods on a CPU: 'layers' compiles one graph per layer and size, shared by every "
+                        "layer (seconds); 'whole' one graph of the whole model per size (minutes, steps ~4%% faster)")
     p.add_argument("--thresholds", default=None, metavar="N,N",
                    help="chain:SPEC and chain-compiled:SPEC: how many tokens each middle level accumulates before "
                         "handing them up, one per middle level (default: k + 1 each)")
@@ -65,6 +72,17 @@ def add_parser(sub) -> None:
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results JSON")
     p.add_argument("--report", default=None, metavar="DIR", help="write report.md and bench.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a killed run from its records file (the same command, --resume added): only the "
+                        "missing (method, prompt) pairs run; a changed option is refused. Without it an earlier "
+                        "run's records file is moved aside")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with code 1 (after writing every output) when a lossless method (chain*, pld*) is "
+                        "not token-identical to its reference (vanilla, or vanilla-compiled for compiled ones)")
+    p.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S, metavar="SECONDS",
+                   help="a peer method (llamacpp*) that takes longer than this to load or to answer a prompt "
+                        f"counts as hung: its process is killed and the method reported failed (default: "
+                        f"{PEER_TIMEOUT_S:g})")
     p.set_defaults(func=_run)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from polybasic.bench import PEER_TIMEOUT_S
 from polybasic.bench.questions import load_questions, select
-from polybasic.bench.suite import run_bench, validate
+from polybasic.bench.suite import open_run_log, run_bench, validate
 from polybasic.pipelines.run import require
 from polybasic.runtime.bundle import load
 
@@ -21,7 +22,8 @@ def _args(recipe, out: Path) -> argparse.Namespace:
         categories=",".join(b.categories) or None, max_new_tokens=b.max_new_tokens, methods=b.methods,
         temperature=p.temperature, top_k=0, top_p=p.top_p, draft_tokens=p.k, adaptive_k=False, seed=0,
         warmup=b.warmup, threads=None, json_out=str(out / "bench" / "bench.json"), report=str(out / "bench"),
-        no_progress=False, reprofile=False, thresholds=None, step_sizes=None, draft_confidence=None)
+        no_progress=False, reprofile=False, thresholds=None, step_sizes=None, compile_mode="layers",
+        draft_confidence=None, resume=True, strict=False, peer_timeout=PEER_TIMEOUT_S)
 
 
 def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
@@ -33,6 +35,8 @@ def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
 def run_stage(ctx) -> list[Path]:
     a = _args(ctx.recipe, ctx.out)
     methods, sampling, questions = validate(a)
+    # a killed stage continues its measurements; a changed recipe or bundle starts them over
+    log = open_run_log(a, methods, questions, restart_changed=True)
     bundle = load(a.bundle, target=ctx.target, verify_target=False)
-    run_bench(a, methods, sampling, questions, ctx.target, bundle)
+    run_bench(a, methods, sampling, questions, ctx.target, bundle, log)
     return [ctx.out / "bench" / "bench.json", ctx.out / "bench" / "report.md", ctx.out / "bench" / "speedup.png"]
