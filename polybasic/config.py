@@ -28,6 +28,9 @@ from polybasic.errors import ConfigError, check
 
 RECIPE_VERSION = 1
 DEFAULT_MODEL = "smollm2-135m"  # the target when none is named (a packaged GGUF: polybasic.models.registry)
+# compiled steps on a CPU (models.prepare.compile_for_device): one graph per layer and size, run by every layer
+# (the default: seconds to compile), or one graph of the whole model per size (minutes; steps ~4% faster)
+COMPILE_MODES = ("layers", "whole")
 STAGE_NAMES = ("quantize", "distill", "profile", "plan", "export", "bench")  # pipelines.stages.STAGES, in order
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}
@@ -100,8 +103,8 @@ class QuantConfig:
     a_symmetric defaults to False (asymmetric): post-RMSNorm and post-SiLU activations are far
     from zero-centred, and an integer zero point is free in the int8mm kernel (row-sum trick).
     kernel 'int4pack' is weight-only: it runs activations in the model dtype whatever a_bits says (the
-    fast CPU path of §8). kernel 'w4a8' (CPU, groups of 32) quantizes activations to int8 per group of 32
-    at run time whatever a_bits says (AVX-512 VNNI; elsewhere it runs int4pack's kernel); 'auto' never
+    fast CPU path; docs/architecture.md). kernel 'w4a8' (CPU, groups of 32) quantizes activations to int8 per group
+    of 32 at run time whatever a_bits says (AVX-512 VNNI; elsewhere it runs int4pack's kernel); 'auto' never
     picks it."""
 
     w_bits: int = 4

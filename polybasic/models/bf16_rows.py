@@ -1,7 +1,8 @@
 """The CPU kernel 'bf16_rows': a bf16 linear whose every output row has the same bits for any row count.
 
 kernels/bf16_rows.cpp holds the arithmetic (see its header): AVX-512 BF16 dot products summed in a fixed
-order per output. It serves bf16 models on a CPU for both of their hot shapes: the one-token step, which
+order per output, or, on CPUs without AVX-512 BF16, a portable build of the same operations in the same order
+(`isa()` says which runs). It serves bf16 models on a CPU for both of their hot shapes: the one-token step, which
 it runs at the memory's speed (oneDNN's GEMM reads the weights about 1.5x slower at one or two rows), and
 a verification's few rows, which it runs at the CPU's bf16 FLOP rate. Being row-invariant by
 construction, a target's one-token step no longer needs oneDNN's zero-row padding to match its
@@ -13,8 +14,8 @@ for calls of up to ROWS_MAX rows. It also lets the model's attention run `attend
 for a decoding step's or a verification's rows: each row as if alone, over the cache rows it may see only
 (a static step's caches hold more rows than it reads), and its RMSNorms run `norm` (one call where eager
 PyTorch runs about ten small ops, ~0.1 ms a norm on 2 cores; row-invariant too).
-`status()` says once per process whether it can run here, and why not; where it cannot, and on CPUs with
-AMX unless $POLYBASIC_BF16_KERNEL says otherwise (`choice()`), linears keep oneDNN.
+`status()` says once per process whether it can run here, and why not (no compiler); where it cannot, or where
+$POLYBASIC_BF16_KERNEL=onednn says so (`choice()`), linears keep oneDNN and compiled steps are not row-invariant.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from polybasic.errors import ConfigError
-from polybasic.models.native import cpu_flags, load_ops, usable
+from polybasic.models.native import load_ops, usable
 
 SOURCE = files("polybasic.models") / "kernels" / "bf16_rows.cpp"
 MARK = "bf16_rows"  # the attribute bind() sets on a linear
@@ -36,7 +37,7 @@ NORM = "row_norm"  # the attribute of an RMSNorm module that bind() sets: True r
 CHOICE_ENV = "POLYBASIC_BF16_KERNEL"
 ROWS_MAX = 64  # calls of more rows (long prefills) run oneDNN, faster there: the kernel ran one model's linears at
 # 0.91x / 0.74x / 0.66x oneDNN's speed at 64 / 128 / 512 rows, and at 2.25x / 1.36x / 1.16x at 1 / 4 / 17 (AMD EPYC,
-# 2 cores; docs/results.md). A prefill's rows are computed alike by plain decoding and by a chain's target, and a
+# 2 cores; docs/history.md). A prefill's rows are computed alike by plain decoding and by a chain's target, and a
 # verification of up to ROWS_MAX rows (a chain's largest threshold + 1) keeps the one-token step's bits.
 
 
@@ -60,9 +61,16 @@ def _norm_fake(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 @cache
 def status() -> tuple[bool, str]:
-    """(True, '') when the kernel runs here; else (False, why): no compiler, a failed build, or a CPU
-    without AVX-512 BF16. Built and decided once per process."""
-    return usable(build, lambda: torch.ops.polybasic_bf16_rows.native(), "this CPU has no AVX-512 BF16")
+    """(True, '') when the kernel runs here (its AVX-512 BF16 build, or the portable one on any other CPU); else
+    (False, why): no compiler, or a failed build. Built and decided once per process."""
+    return usable(build, lambda: True, "")
+
+
+@cache
+def isa() -> str:
+    """Which build runs here: 'avx512_bf16' (vdpbf16ps) or 'portable' (plain C++ in the same order), or '' where
+    the kernel cannot run (status())."""
+    return str(torch.ops.polybasic_bf16_rows.isa()) if status()[0] else ""
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -85,14 +93,14 @@ def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def choice() -> str:
     """The bf16 CPU kernel models are bound to: $POLYBASIC_BF16_KERNEL, 'bf16_rows', 'onednn' or 'auto'
-    (the default): bf16_rows, except on CPUs with AMX, whose oneDNN GEMM runs bf16 on matrix tiles (not
-    measured against this kernel, so left as it was)."""
+    (the default): bf16_rows on every CPU, AMX included. oneDNN chooses its bf16 GEMM by shape (on CPUs with AMX,
+    tiles for some row counts and AVX-512 for others), and a compiled step without the row kernels runs its
+    attention as matmuls and its norms as inductor's reductions, so a row's bits would depend on how many rows a
+    call has; 'onednn' is for measuring, and compiled chains over it may drift from plain decoding."""
     value = os.environ.get(CHOICE_ENV, "auto").strip().lower()
     if value not in ("auto", "bf16_rows", "onednn"):
         raise ConfigError(f"${CHOICE_ENV}={value!r}: use auto, bf16_rows or onednn")
-    if value == "auto":
-        return "onednn" if "amx_bf16" in cpu_flags().split() else "bf16_rows"
-    return value
+    return "bf16_rows" if value == "auto" else value
 
 
 def bind(model: nn.Module, kernel: str | None = None) -> int:

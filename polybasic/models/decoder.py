@@ -37,6 +37,8 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
         self._static: StaticSteps | None = None  # see compile_steps
         self.feature_layers: tuple[int, ...] = ()  # see use_feature_layers
+        self.layers_per_region = 1  # compiled steps on the CPU: layers per compiled region (see compile_steps)
+        self._groups: dict[tuple[int, ...], list] = {}  # feature_layers -> its LayerGroups (see _layer_groups)
 
     def tie_weights(self) -> None:
         if self.args.tie_embeddings:
@@ -106,7 +108,7 @@ class Transformer(nn.Module):
             layer.attention.kv_cache.keep(rows)
 
     def compile_steps(self, gguf: str | Path | None = None, options: dict | None = None, sizes=None,
-                      notify=None) -> int:
+                      notify=None, regions: bool = True) -> int:
         """Run every forward (any M, prefills in chunks) through static-shape compiled steps from now on
         (models.static): M padded up to one of `sizes`, compiled once per size on its first use, a
         cached copy loaded from disk in later processes; CUDA graphs on CUDA. The caches then hold a
@@ -126,12 +128,19 @@ class Transformer(nn.Module):
         many linears read codes.
         options: inductor options (models.prepare.compile_for_device passes the device's).
         notify: told before each first compile (default: the log).
+        regions: on the CPU, compile one graph per size for a decoder layer, which every layer runs (and the LM head
+        apart where it reads GGUF codes), the rest of a step eager (models.static: ~10x less compile time, the
+        same speed); False: one graph of the whole step, as on CUDA (CUDA graphs) always.
         """
         coded = attach_codes(self, gguf) if gguf is not None else 0
         if self._static is None:
             invariant = self.device.type == "cpu" and self.dtype in ROW_INVARIANT_DTYPES
             self._static = StaticSteps(self._static_forward, "the model", sizes, self.device, options, notify,
-                                       eager_long=invariant)
+                                       eager_long=invariant,
+                                       regions={"layer": _layer_step, "head": _head_step} if regions else None)
+            # attention on the row kernel reads only the cache rows up to each position, whatever the cache
+            # holds: its caches need not shrink to a request's size class, so a process compiles one class
+            self._static.shrink &= not all(layer.attention.row_attention for layer in self.layers)
             self.max_seq_len = 0  # the next setup_caches sizes the caches for static steps
         return coded
 
@@ -142,15 +151,19 @@ class Transformer(nn.Module):
         decode: only the two steps plain decoding runs (generate_tokens), the one-token step and the prefill
         chunk, each reading one row's logits. Writes garbage to cache rows the next generation overwrites;
         needs setup_caches first."""
+        for _ in range(self._static.warm_runs):
+            for size, last_only in self.warm_calls(decode):
+                self(torch.zeros(1, size, dtype=torch.long, device=self.device), 0, last_only=last_only)
+
+    def warm_calls(self, decode: bool = False) -> list[tuple[int, bool]]:
+        """The (size, last_only) calls warm_steps makes: every size with all rows' logits (size 1 has one row), or
+        with decode the one-token step alone; then the prefill chunk reading one row's (none where long calls run
+        eagerly)."""
         steps = self._static
-        # (size, last_only): every size with all rows' logits (size 1 has one row), or with decode the one-token
-        # step alone; then the prefill chunk reading one row's
         calls = [(1, True)] if decode else [(size, False) for size in steps.sizes if not steps.runs_eager(size)]
         if not steps.runs_eager(steps.largest):
             calls.append((steps.largest, True))
-        for _ in range(steps.warm_runs):
-            for size, last_only in calls:
-                self(torch.zeros(1, size, dtype=torch.long, device=self.device), 0, last_only=last_only)
+        return calls
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
                 key_mask: Tensor | None = None, tail: int | None = None) -> tuple[Tensor, Tensor]:
@@ -174,6 +187,19 @@ class Transformer(nn.Module):
             return self._static_chunks(tokens, start, tail)
         return self._forward(tokens, start, tail, key_mask)
 
+    def _layer_groups(self) -> list[LayerGroup]:
+        """The layers in groups of `layers_per_region` (a group also ends at each of feature_layers, whose outputs
+        are read), built once per feature_layers."""
+        groups = self._groups.get(self.feature_layers)
+        if groups is None:
+            groups, start = [], 0
+            for i in range(len(self.layers)):
+                if i + 1 - start == self.layers_per_region or i in self.feature_layers or i == len(self.layers) - 1:
+                    groups.append(LayerGroup(list(self.layers[start:i + 1]), i))
+                    start = i + 1
+            self._groups[self.feature_layers] = groups
+        return groups
+
     def _static_chunks(self, tokens: Tensor, start: int, tail: int) -> tuple[Tensor, Tensor]:
         """forward through the compiled steps: chunks of the largest size, the last one padded."""
         steps, m = self._static, tokens.shape[1]
@@ -195,9 +221,23 @@ class Transformer(nn.Module):
 
     def _static_forward(self, tokens: Tensor, pos: Tensor, pick: Tensor | None) -> tuple[Tensor, Tensor]:
         """tokens [B, M] at positions pos [M], every cache row visible up to its own position; logits of
-        the rows `pick` [1] (None: all)."""
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [M, 1, D]
-        return self._run(tokens, cos, sin, self.causal_mask[pos], pos, pick)
+        the rows `pick` [1] (None: all). With regions (the CPU), this runs eagerly and each layer, and the final
+        norm and LM head where they read GGUF codes, run one compiled graph per size (StaticSteps.region)."""
+        cos, sin, mask = self.rope_cos[pos], self.rope_sin[pos], self.causal_mask[pos]  # [M, 1, D] x2, [M, S]
+        steps = self._static
+        if not steps.regions:  # CUDA: one graph of the whole step
+            return self._run(tokens, cos, sin, mask, pos, pick)
+        shape = (*tokens.shape, self.max_seq_len)  # what a layer's graph depends on: B, M and the cache size
+        x = self.tok_embeddings(tokens)  # [B, M, E]
+        taken = []  # outputs of self.feature_layers, each [B, M, E]
+        for i, group in enumerate(self._layer_groups()):
+            x = steps.region("layer", shape, i, group, x, cos, sin, mask, pos)
+            if group.last in self.feature_layers:
+                taken.append(x)
+        hidden = torch.cat(taken + [x], dim=-1) if taken else x  # [B, M, (n+1) E]
+        if isinstance(getattr(self.output, "codes", None), Tensor):  # compiled, the head reads its block codes
+            return steps.region("head", (*shape, pick is None), 0, self.norm, self.output, x, pick), hidden
+        return _head_step(self.norm, self.output, x, pick), hidden
 
     def _forward(self, tokens: Tensor, start: int, tail: int, key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         m = tokens.shape[1]
@@ -225,6 +265,33 @@ class Transformer(nn.Module):
         elif rows is not None and rows < x.shape[1]:
             x = x[:, -rows:]
         return project(self.output, self.norm(x)), hidden
+
+
+class LayerGroup(nn.Module):
+    """Consecutive decoder layers run as one region of a compiled step (the model's own modules, not copies)."""
+
+    def __init__(self, layers: list[nn.Module], last: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.last = last  # the model's index of the group's last layer
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, pos)
+        return x
+
+
+def _layer_step(group: LayerGroup, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+    """A group of decoder layers of a static step (Transformer._static_forward): x [B, M, E] -> [B, M, E]; compiled
+    once per shape, the same graph for every group of the same structure."""
+    return group(x, cos, sin, mask, pos)
+
+
+def _head_step(norm: nn.Module, output: nn.Module, x: Tensor, pick: Tensor | None) -> Tensor:
+    """The final norm and LM head over the rows `pick` [1] of x [B, M, E] (None: all) -> logits [B, 1 or M, V]."""
+    if pick is not None:
+        x = x.index_select(1, pick)
+    return project(output, norm(x))
 
 
 def hf_to_lean_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:

@@ -305,7 +305,7 @@ def _realized(x: Tensor) -> Tensor:
 
 ROW_INVARIANT_DTYPES = (torch.bfloat16, torch.float16)
 CODED_ROWS = 16  # compiled steps of up to this many token rows read the block codes (see coded_matvec); chosen
-# by measurement (AMD EPYC, 2 cores; docs/results.md): coded against the dense fp32 GEMM, SmolLM2 9.0 / 11.1 /
+# by measurement (AMD EPYC, 2 cores; docs/history.md): coded against the dense fp32 GEMM, SmolLM2 9.0 / 11.1 /
 # 16.5 / 28.4 / 40.0 / 50.6 ms for 1 / 2 / 4 / 8 / 12 / 16 rows against 9.6 / 47.2 / 52.1 / 60.6 / 57.7 / 67.6;
 # Qwen2.5-Coder-1.5B 450 / 574 ms for 12 / 16 rows against 611 / 748 (both compute-bound past a few rows)
 

@@ -52,12 +52,17 @@ class LoadedModel:
 
     @property
     def gguf_file(self) -> Path | None:
-        """The GGUF file the weights were converted from, if any (see Transformer.compile_decode)."""
-        meta = self.hf_folder / "polybasic_source.json"
-        if not meta.is_file():
-            return None
-        path = Path(json.loads(meta.read_text()).get("gguf", ""))
-        return path if path.is_file() else None
+        """The GGUF file the weights were converted from, if any (see Transformer.compile_steps)."""
+        return source_gguf(self.hf_folder)
+
+
+def source_gguf(folder: Path) -> Path | None:
+    """The GGUF file a converted HF folder was made from, if any (its polybasic_source.json names it)."""
+    meta = folder / "polybasic_source.json"
+    if not meta.is_file():
+        return None
+    path = Path(json.loads(meta.read_text()).get("gguf", ""))
+    return path if path.is_file() else None
 
 
 def _convert_gguf(gguf: Path, key: str) -> Path:

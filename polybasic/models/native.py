@@ -1,8 +1,9 @@
 """Build and load polybasic's C++ CPU kernels (models/kernels/*.cpp, quant/kernels/*.cpp) on first use.
 
 Each source is compiled with the C++ compiler torch.compile needs on a CPU anyway (g++, or $CXX), with
--march=native, into a cache folder keyed by the source, torch's version, the CPU's flags and the command
-($POLYBASIC_KERNEL_CACHE, default ~/.cache/polybasic/kernels), then loaded into torch.ops. Builds are
+-march=native ($POLYBASIC_KERNEL_MARCH names another target, e.g. x86-64-v3 for a build without AVX-512, which
+takes the kernels' portable paths), into a cache folder keyed by the source, torch's version, the CPU's flags and
+the command ($POLYBASIC_KERNEL_CACHE, default ~/.cache/polybasic/kernels), then loaded into torch.ops. Builds are
 atomic: an interrupted or concurrent build never leaves half a library.
 """
 from __future__ import annotations
@@ -30,6 +31,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("POLYBASIC_KERNEL_CACHE", Path.home() / ".cache" / "polybasic" / "kernels"))
 
 
+MARCH_ENV = "POLYBASIC_KERNEL_MARCH"
+
+
+def march() -> str:
+    """The -march the kernels are built for: $POLYBASIC_KERNEL_MARCH, default native (this CPU)."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
 def build_library(name: str, source: Traversable, cache_dir: Path | None = None) -> Path:
     """Compile `source` (once per source, torch version and CPU) into `name`-KEY.so and return its path
     (not loaded: torch.ops.load_library it once). Raises RuntimeError naming the cause when no compiler is
@@ -40,7 +49,7 @@ def build_library(name: str, source: Traversable, cache_dir: Path | None = None)
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler '{cxx}' on PATH (install g++, which torch.compile needs too, or set CXX)")
     text = source.read_bytes()
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+    flags = ["-O3", f"-march={march()}", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), cpu_flags().encode(),
                                      " ".join([cxx, *flags]).encode()])).hexdigest()[:16]

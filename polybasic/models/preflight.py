@@ -136,6 +136,12 @@ def split_kernel(source: str) -> tuple[str, bool]:
     return (s[:-len(CODES_KERNEL)], True) if s.endswith(CODES_KERNEL) else (s, False)
 
 
+def default_dtype(source: str) -> str:
+    """The dtype a source runs in when none is given: bfloat16 for a 'NAME@w4a8' target (the kernel's activations,
+    and the row-invariant kernels its attention and norms run on), float32 otherwise."""
+    return "bfloat16" if split_kernel(source)[1] else "float32"
+
+
 def check_source(source: str, field: str = "model") -> str:
     """Classify a model source and check the files it names by their headers (no loading, no torch);
     returns its kind (see source_kind; a source ending in '@w4a8' has its base's). Errors start with `field`."""

@@ -14,6 +14,11 @@ So each size compiles once, inductor caches it on disk (TORCHINDUCTOR_CACHE_DIR,
 /tmp/torchinductor_$USER) and the next process loads it in seconds; on CUDA the same graphs are
 captured as CUDA graphs (mode "reduce-overhead") and replayed, and their outputs are copied out
 before the next replay overwrites them. The CPU runs the same code path without the capture.
+
+Regions (the CPU): a step can instead run its own code eagerly and compile only named regions of it, each called
+through `region` (a decoder layer: one graph per size, which every layer of the model runs, instead of one graph of
+all the layers). A 1.5B model's step then compiles in ~3 s a size instead of ~30 s on 2 cores, runs as fast (one
+call per layer, guards skipped), and a process that finds the graphs in inductor's cache traces one layer, not 28.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ log = logging.getLogger(__name__)
 STEP_SIZES = (1, 2, 4, 8, 12, 16, 64)  # token counts a step is compiled for (sizes=None); the largest: prefill chunks
 # On CUDA a step is a graph replay whose cost hardly grows with M (SmolLM2-shaped, H200: 2.08 ms at M=1,
 # 3.06 ms at M=16) while each size costs ~25 s to compile and capture: fewer sizes, and longer prefill
-# chunks (docs/results.md, H200 2026-11-26: 352 -> 375 tok/s with 1,16 -> 1,16,128)
+# chunks (docs/history.md, H200 2026-11-26: 352 -> 375 tok/s with 1,16 -> 1,16,128)
 CUDA_STEP_SIZES = (1, 16, 128)
 
 
@@ -57,6 +62,14 @@ def covering(sizes, rows, device: torch.device) -> tuple[int, ...]:
     s = check_sizes(sizes or default_sizes(device))
     below = s[-2] if len(s) > 1 else 0  # the largest size short of the chunk
     return tuple(sorted(set(s) | {int(r) for r in rows if below < r < s[-1]}))
+
+
+def up_to(sizes, rows: int) -> tuple[int, ...]:
+    """`sizes` less those no call of at most `rows` rows uses: every size up to the smallest that holds `rows`,
+    and the largest (the prefill chunk). A chain's level compiles only the steps its verifications take."""
+    s = check_sizes(sizes)
+    fits = next((x for x in s if x >= rows), s[-1])
+    return tuple(x for x in s if x <= fits or x == s[-1])
 
 
 def cache_dir() -> str:
@@ -87,13 +100,15 @@ class StaticSteps:
     e.g. (B, M, last_only)) decides when a call is the first of its kind. `notify(message)` is told
     before each first call (a user's first generate says it is compiling). `eager_long`: the caller runs calls
     of more rows than the second largest size eagerly, unpadded (`runs_eager`; see Transformer.compile_steps).
+    `regions` ({name: function}, not on CUDA): fn runs eagerly and compiles only these, which it calls through
+    `region` (see the module's docstring); CUDA compiles fn whole, for one CUDA graph a step.
     """
 
     skip_guards = True  # a key's calls after its guards passed once skip them (unguarded); False: every call checks
 
     def __init__(self, fn: Callable, name: str, sizes=None, device: torch.device | None = None,
                  options: dict | None = None, notify: Callable[[str], None] | None = None,
-                 eager_long: bool = False) -> None:
+                 eager_long: bool = False, regions: dict[str, Callable] | None = None) -> None:
         for knob in ("recompile_limit", "accumulated_recompile_limit"):  # one graph per size, batch,
             limit = getattr(torch._dynamo.config, knob, None)  # variant, cache size class (Transformer.
             if limit is not None and limit < 512:  # setup_caches) and model: more than dynamo's 8 and 256
@@ -103,8 +118,13 @@ class StaticSteps:
         self.name = name
         self.mode = compile_mode(self.device)
         self.raw = fn
-        self.fn = torch.compile(fn, dynamic=False, mode=self.mode, options=None if self.mode else options)
-        self.direct: dict = {}  # (key, grad mode, inference mode) -> unguarded(...) or None (see __call__)
+        self.regions = regions if regions and self.mode is None else None
+        compile_ = functools.partial(torch.compile, dynamic=False, mode=self.mode, options=None if self.mode else options)
+        self.fn = fn if self.regions else compile_(fn)
+        self.compiled = {name: compile_(f) for name, f in (self.regions or {}).items()}
+        self.direct: dict = {}  # (key, grad mode, inference mode) -> unguarded(...) or None (see _call)
+        self.guarded: set = set()  # the states (see _call) called through dynamo's guards so far
+        self.graphs: set = set()  # the (region, key)s compiled or loaded from inductor's cache (regions only)
         self.notify = notify or log.info
         # whether the caches take each request's size class, smaller ones too (Transformer.setup_caches): on
         # the CPU a step's attention over rows it never reads costs more than compiling the class (a 1.5B W4
@@ -159,18 +179,12 @@ class StaticSteps:
 
     def __call__(self, key, *args):
         self.calls += 1
-        state = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        direct = self.direct.get(state) if self.skip_guards else None
-        if direct is not None:  # the compiled code of this key, its guards passed once (unguarded)
-            out = direct(*args)
-        elif key in self.seen:
-            out = self.fn(*args)
-            if self.skip_guards and state not in self.direct:
-                self.direct[state] = unguarded(self.raw, args)
-        else:
+        first = key not in self.seen
+        if first:
             self.notify(f"compiling {self.name}'s {key} step (first use; cached in {cache_dir()})")
             t0 = time.perf_counter()
-            out = self.fn(*args)
+        out = self.fn(*args) if self.regions else self._call(key, self.fn, self.raw, args)
+        if first:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.compile_s += time.perf_counter() - t0
@@ -178,6 +192,27 @@ class StaticSteps:
             self.seen.add(key)
         if self.mode == "reduce-overhead":  # the next replay overwrites a graph's outputs
             out = out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
+        return out
+
+    def region(self, name: str, key, index: int, *args):
+        """Region `name`'s compiled code on args, from a step's fn: `key` names the shapes its graph depends on,
+        `index` the caller (e.g. a layer), whose own guards are checked once before its calls skip them."""
+        if (name, key) not in self.graphs:
+            self.graphs.add((name, key))
+            return self.compiled[name](*args)
+        return self._call((name, key, index), self.compiled[name], self.regions[name], args)
+
+    def _call(self, key, compiled: Callable, raw: Callable, args: tuple):
+        """compiled(*args); a key's calls after its guards passed once skip them (unguarded)."""
+        state = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        direct = self.direct.get(state) if self.skip_guards else None
+        if direct is not None:  # the compiled code of this key, its guards passed once (unguarded)
+            return direct(*args)
+        out = compiled(*args)
+        if self.skip_guards and state not in self.direct:
+            if state in self.guarded:  # its second call: torch's cache holds the code its guards pass
+                self.direct[state] = unguarded(raw, args)  # None where torch keeps none: stays guarded
+            self.guarded.add(state)
         return out
 
 

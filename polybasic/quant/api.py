@@ -19,7 +19,8 @@ from polybasic.artifacts import save_safetensors
 from polybasic.config import QuantConfig
 from polybasic.errors import ConfigError, ModelNotFoundError
 from polybasic.models.decoder import Transformer
-from polybasic.models.loader import LoadedModel, folder_and_args, load_model, load_tokenizer
+from polybasic.models.loader import (LoadedModel, folder_and_args, load_model, load_tokenizer, parse_dtype,
+                                     source_gguf)
 from polybasic.models.preflight import (CODES_KERNEL, FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors,
                                         safetensors_metadata, split_kernel)
 from polybasic.models.prepare import prepare_for_device
@@ -199,6 +200,11 @@ def load_any_model(source: str, dtype: str | torch.dtype = "float32", device: st
     if not coded:
         return load_model(source, dtype, device)
     gguf_w4a8.check(device)  # before loading anything
+    folder, args = folder_and_args(base)
+    gguf = source_gguf(folder)
+    model = gguf_w4a8.load_bound(gguf, args, parse_dtype(dtype)) if gguf is not None else None
+    if model is not None:  # a later load: from the binding's cache alone
+        return LoadedModel(prepare_for_device(model), load_tokenizer(folder), args, source, folder)
     lm = load_model(base, dtype, device)
     if lm.gguf_file is None:
         raise ConfigError(f"model: '{source}': '{CODES_KERNEL}' runs a GGUF file's own codes, and {base} was not "

@@ -33,6 +33,8 @@ from torch import Tensor, nn
 
 from polybasic.artifacts import atomic_path
 from polybasic.errors import ConfigError
+from polybasic.models.args import ModelArgs
+from polybasic.models.decoder import Transformer
 from polybasic.models.gguf_codes import k_factors, q4k_codes, q6k_factors, rows_by_tensor
 from polybasic.models.gguf_index import read_tensor_infos
 from polybasic.models.registry import cache_root
@@ -122,6 +124,10 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
 
+    def kernel_path(self) -> str:
+        """Which code computes this linear here (models.prepare.kernel_paths); row-invariant at any row count."""
+        return f"w4a8 {'/'.join(map(str, sorted(set(self.bits))))}-bit tiles (AVX-512 VNNI)"
+
 
 def _keys(w: Tensor) -> list[int]:
     """A hash of every row's values (-0.0 as 0.0: gguf's d * sc * (q - 32) is -0.0 where the kernel's s * q + o
@@ -186,19 +192,43 @@ def check(device: str | torch.device) -> None:
 def bind(model: nn.Module, gguf: str | Path) -> tuple[int, int]:
     """Swap every nn.Linear of `model` (on a CPU) whose rows a GGUF file holds as Q4_K or Q6_K for a GGUFLinear
     over those codes; returns (swapped, linears). Raises ConfigError where the kernel cannot run here. The swaps
-    are read from `cache_file` when it is there, else found and written to it."""
+    are read from `cache_file` when it is there, else found and written to it with the rest of the model's
+    weights (what `load_bound` needs to build the bound model from the cache alone)."""
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     check(linears[0][1].weight.device if linears else "cpu")
     path = cache_file(gguf, linears)
-    coded = _read_cache(path, linears) if path.is_file() else None
-    if coded is None:
-        coded = _find(linears, gguf)
-        _write_cache(path, coded)
+    cached = _read_cache(path, linears) if path.is_file() else None
+    coded = cached[0] if cached else _find(linears, gguf)
+    _swap(model, coded)
+    if cached is None:
+        _write_cache(path, coded, model.state_dict())
+    log.info("%d of %d linears run the GGUF's codes on the kernel w4a8", len(coded), len(linears))
+    return len(coded), len(linears)
+
+
+def load_bound(gguf: str | Path, args: ModelArgs, dtype: torch.dtype) -> Transformer | None:
+    """The lean decoder of `args` in `dtype` on the CPU, bound to the GGUF's codes (as `bind` leaves it), built from
+    bind's cache alone: its tiles and the rest of its weights, without reading the model's dense weights (a 1.5B
+    model's 7 GB in fp32); None where there is no usable cache (then load the model and `bind` it)."""
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    path = cache_file(gguf, linears)
+    cached = _read_cache(path, linears) if path.is_file() else None
+    if cached is None or not cached[1]:
+        return None
+    _swap(model, cached[0])
+    model.load_state_dict(cached[1], strict=False, assign=True)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        log.warning("ignoring the cached w4a8 binding %s: it lacks some of the model's weights", path)
+        return None
+    return model.eval().requires_grad_(False)
+
+
+def _swap(model: nn.Module, coded: dict[str, "GGUFLinear"]) -> None:
     for name, new in coded.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
-    log.info("%d of %d linears run the GGUF's codes on the kernel w4a8", len(coded), len(linears))
-    return len(coded), len(linears)
 
 
 def _find(linears: list[tuple[str, nn.Linear]], gguf: str | Path) -> dict[str, GGUFLinear]:
@@ -223,23 +253,23 @@ def _find(linears: list[tuple[str, nn.Linear]], gguf: str | Path) -> dict[str, G
 
 def cache_file(gguf: str | Path, linears: list[tuple[str, nn.Linear]]) -> Path:
     """Where bind keeps the swaps of these linears: keyed by the GGUF file (path, size, mtime), the linears (names,
-    shapes, dtypes, first and last rows) and the code that packs and runs the tiles (this module and the kernel's
-    source), so that another file, model, dtype or layout never reads a stale one."""
+    shapes, dtypes) and the code that packs and runs the tiles (this module and the kernel's source), so that
+    another file, model, dtype or layout never reads a stale one. No weight is read: the model's weights are the
+    file's own (its HF folder is converted from it), so a load can find its cache before loading them."""
     p = Path(gguf).resolve()
     st = p.stat()
     h = hashlib.sha256(b"\0".join([str(p).encode(), str(st.st_size).encode(), str(st.st_mtime_ns).encode(),
                                     Path(__file__).read_bytes(), w4a8.SOURCE.read_bytes()]))
     for name, lin in linears:
-        w = lin.weight.detach()
-        h.update(f"{name}{tuple(w.shape)}{w.dtype}".encode())
-        h.update(w[[0, -1]].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(f"{name}{tuple(lin.weight.shape)}{lin.weight.dtype}".encode())
     return cache_root() / "w4a8" / f"{p.stem}-{h.hexdigest()[:16]}.safetensors"
 
 
-def _write_cache(path: Path, coded: dict[str, GGUFLinear]) -> None:
-    """The swaps as one safetensors file (tensors NAME.tiles0.., NAME.bias; shapes and widths in its metadata),
+def _write_cache(path: Path, coded: dict[str, GGUFLinear], rest: dict[str, Tensor]) -> None:
+    """The swaps as one safetensors file (tensors NAME.tiles0.., NAME.bias; shapes and widths in its metadata), and
+    the bound model's other weights `rest` (its state dict: every tensor but the swapped linears', under "rest."),
     written atomically; a failure only costs the next load the search."""
-    tensors, meta = {}, {}
+    tensors, meta = {f"rest.{k}": v.contiguous() for k, v in rest.items()}, {}
     for name, lin in coded.items():
         for i in range(len(lin.bits)):
             tensors[f"{name}.tiles{i}"] = getattr(lin, f"tiles{i}")
@@ -254,8 +284,9 @@ def _write_cache(path: Path, coded: dict[str, GGUFLinear]) -> None:
         log.warning("could not cache the w4a8 binding in %s (%s); the next load binds again", path, e)
 
 
-def _read_cache(path: Path, linears: list[tuple[str, nn.Linear]]) -> dict[str, GGUFLinear] | None:
-    """bind's swaps from `path`, or None (logged) when it cannot be read or does not fit the model's linears."""
+def _read_cache(path: Path, linears: list[tuple[str, nn.Linear]]) -> tuple[dict[str, GGUFLinear], dict] | None:
+    """bind's swaps from `path` and the rest of the model's weights, or None (logged) when it cannot be read or does
+    not fit the model's linears."""
     shapes = {name: (lin.in_features, lin.out_features) for name, lin in linears}
     try:
         with safe_open(str(path), "pt") as f:
@@ -268,8 +299,9 @@ def _read_cache(path: Path, linears: list[tuple[str, nn.Linear]]) -> dict[str, G
             coded = {name: GGUFLinear(k, n, [(b, f.get_tensor(f"{name}.tiles{i}")) for i, b in enumerate(bits)],
                                       f.get_tensor(f"{name}.bias") if f"{name}.bias" in f.keys() else None)
                      for name, (k, n, bits) in meta.items()}
+            rest = {k.removeprefix("rest."): f.get_tensor(k) for k in f.keys() if k.startswith("rest.")}
     except (OSError, SafetensorError, ValueError, KeyError, TypeError) as e:
         log.warning("ignoring the cached w4a8 binding %s (%s): binding again", path, e)
         return None
     log.info("the w4a8 binding read from %s", path)
-    return coded
+    return coded, rest

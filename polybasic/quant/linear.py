@@ -10,7 +10,7 @@ after every load_state_dict (a post-hook), so meta-device build + load(assign=Tr
 
 Kernels:
   Int4PackLinear  int4 weight x float activation (aten._weight_int4pack_mm[_for_cpu]); weight-only:
-                  activations run in their own dtype whatever a_bits says (ARCHITECTURE §8).
+                  activations run in their own dtype whatever a_bits says (docs/architecture.md).
   W4A8Linear      CPU: int4 codes x int8 activations per group of 32 (quant.w4a8, AVX-512 VNNI, built on
                   first use); falls back to Int4PackLinear's kernel where it cannot run.
   Int8MMLinear    int8 x int8 -> int32 (torch._int_mm) carrying 4- or 8-bit codes; per-token
@@ -280,6 +280,10 @@ class W4A8Linear(Int4PackLinear):
 
     def _kernel_mm(self, x2: Tensor) -> Tensor:
         return super()._kernel_mm(x2) if self.tiles is None else w4a8.mm(x2, self.tiles)
+
+    def kernel_path(self) -> str:
+        """Which code computes this linear here (models.prepare.kernel_paths)."""
+        return "w4a8 4-bit tiles (AVX-512 VNNI)" if self.tiles is not None else "torch int4pack (w4a8 cannot run here)"
 
 
 @functools.cache

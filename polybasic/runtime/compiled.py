@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from polybasic.models.prepare import compile_for_device
+from polybasic.models.static import covering, up_to
 
 from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import Level, ModelLevel
@@ -14,34 +15,73 @@ from polybasic.runtime.levels import Level, ModelLevel
 
 def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | None = None, sizes=None,
                    notify: Callable[[str], None] | None = None, flag: str = "--compile",
-                   lengths: Sequence[int] = (), decode: bool = False) -> float:
+                   lengths: Sequence[int] = (), decode: bool = False, rows: Sequence[int] = (),
+                   mode: str = "layers") -> float:
     """Compile the forwards of every model level and EAGLE head in `levels` (target first), with caches
     for sequences of up to `max_len` tokens, and run each step size until it is steady (StaticSteps.warm_runs).
     lengths: the longest sequence of each request to come (e.g. a benchmark's prompts plus their token
-    budget); their caches' size classes are warmed too (Transformer.setup_caches; on CUDA the caches only
-    grow, so only the largest class), so that no request compiles. decode: a lone model for plain decoding,
-    which runs two steps only (Transformer.warm_steps). gguf: the file the target's fp32 weights were
-    expanded from (its steps of up to gguf_codes.CODED_ROWS tokens read the block codes). Returns the seconds it took
-    (compiling, or loading compiled steps from inductor's cache). Model-free levels are left as they are."""
+    budget); their caches' size classes are warmed too (Transformer.setup_caches; where the caches only grow,
+    only the largest class), so that no request compiles. decode: a lone model for plain decoding,
+    which runs two steps only (Transformer.warm_steps). rows: the most rows each level scores in one call
+    (runtime.chain.scored_rows, target first; a model level below them, a bottom drafter, at most 2): each model
+    level compiles the sizes its calls use only (models.static.up_to). gguf: the file the target's fp32 weights
+    were expanded from (its steps of up to gguf_codes.CODED_ROWS tokens read the block codes). notify is told
+    before each step compiles, with how many are left and the time left at the pace so far. mode: the models'
+    compile mode on the CPU (models.prepare.compile_for_device). Returns the seconds it took (compiling, or loading
+    compiled steps from inductor's cache). Model-free levels are left as they are."""
     t0 = time.perf_counter()
-    models = []
-    for lvl in levels:
-        if isinstance(lvl, ModelLevel) and all(lvl.model is not m for m in models):
-            models.append(lvl.model)
+    models, most = [], {}  # the model levels' models (target first), and the most rows each scores in a call
+    for i, lvl in enumerate(levels):
+        if isinstance(lvl, ModelLevel):
+            if all(lvl.model is not m for m in models):
+                models.append(lvl.model)
+            most[id(lvl.model)] = max(most.get(id(lvl.model), 0), rows[i] if i < len(rows) else 2)
     heads = [lvl for lvl in levels if isinstance(lvl, EagleLevel)]
+    progress = _Progress(notify, t0)
     for m in models:
-        compile_for_device(m, gguf if m is models[0] else None, flag, sizes, notify)
+        own = sizes if not rows or decode else up_to(covering(sizes, [most[id(m)]], m.device), most[id(m)])
+        compile_for_device(m, gguf if m is models[0] else None, flag, own, progress, mode)
     for lvl in heads:  # binding sets the layers the base returns: before any base step compiles
-        compile_for_device(lvl.head, flag=flag, sizes=sizes, notify=notify)
+        compile_for_device(lvl.head, flag=flag, sizes=sizes, notify=progress)
         lvl.head.bind(lvl.base.model)
         lvl.head.setup_caches(max_len + 1)
-    warmed = set()  # (model, cache size class)
+    classes = []  # (model, the lengths whose cache size class it warms)
     for n in [max_len, *sorted(set(lengths)), max_len]:  # max_len first (caches that only grow stay in its
         for m in models:  # class) and last (the caches end in its class)
             m.setup_caches(n)
-            if (id(m), m.max_seq_len) not in warmed:
-                m.warm_steps(decode)
-                warmed.add((id(m), m.max_seq_len))
+            if (m, m.max_seq_len) not in classes:
+                classes.append((m, m.max_seq_len))
+    progress.total = sum(len(m.warm_calls(decode)) for m, _ in classes) + sum(
+        len(lvl.head._static.sizes) * len(_widths(lvl)) for lvl in heads)
+    for m, n in classes:
+        m.setup_caches(n)
+        m.warm_steps(decode)
+    for m in models:
+        m.setup_caches(max_len)  # the caches end in max_len's class
     for lvl in heads:
-        lvl.head.warm_steps(tuple({lvl.head.cfg.dim, lvl.base.model.args.dim * (1 + len(lvl.head.cfg.feature_layers))}))
+        lvl.head.warm_steps(_widths(lvl))
     return time.perf_counter() - t0
+
+
+def _widths(lvl: EagleLevel) -> tuple[int, ...]:
+    """The feature widths an EAGLE head's steps take: the base's [(n+1) E] and its own E."""
+    return tuple({lvl.head.cfg.dim, lvl.base.model.args.dim * (1 + len(lvl.head.cfg.feature_layers))})
+
+
+class _Progress:
+    """notify for StaticSteps: each step's compile message with its count and the time left at the pace so far."""
+
+    def __init__(self, notify: Callable[[str], None] | None, t0: float) -> None:
+        self.notify, self.t0, self.done, self.total = notify, t0, 0, 0
+
+    def __call__(self, message: str) -> None:
+        if self.notify is None:
+            return
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        if self.total and self.done > 1:
+            left = max(0, self.total - self.done + 1) * elapsed / (self.done - 1)
+            message += f" [{self.done}/{self.total}, {elapsed:.0f} s so far, ~{left:.0f} s left]"
+        elif self.total:
+            message += f" [{self.done}/{self.total}]"
+        self.notify(message)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polybasic.errors import ConfigError
-from polybasic.models import bf16_rows
+from polybasic.models import bf16_rows, native
 from polybasic.models.blocks import RMSNorm
 from polybasic.models.gguf_codes import project
 
@@ -71,7 +71,7 @@ def test_bind_marks_only_contiguous_bf16_cpu_linears_and_project_uses_them():
 
 
 def test_bind_leaves_every_linear_unmarked_where_the_kernel_cannot_run(monkeypatch):
-    monkeypatch.setattr(bf16_rows, "status", lambda: (False, "this CPU has no AVX-512 BF16"))
+    monkeypatch.setattr(bf16_rows, "status", lambda: (False, "no C++ compiler"))
     model = nn.Sequential(nn.Linear(64, 48)).bfloat16().requires_grad_(False)
     assert bf16_rows.bind(model, "bf16_rows") == 0 and getattr(model[0], bf16_rows.MARK) is False
     x = torch.randn(1, 1, 64).bfloat16()
@@ -144,14 +144,13 @@ def test_a_bf16_models_compiled_steps_and_prompts_get_the_eager_bits():
         assert torch.equal(whole, pieces)
 
 
-def test_the_choice_follows_the_cpu_and_the_environment(monkeypatch):
+def test_the_choice_is_the_row_kernel_on_every_cpu_unless_the_environment_says_otherwise(monkeypatch):
     monkeypatch.delenv(bf16_rows.CHOICE_ENV, raising=False)
-    monkeypatch.setattr(bf16_rows, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16")
-    assert bf16_rows.choice() == "bf16_rows"
-    monkeypatch.setattr(bf16_rows, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16 amx_bf16 amx_tile")
-    assert bf16_rows.choice() == "onednn"  # AMX: oneDNN's tile GEMM, as before
-    model = nn.Sequential(nn.Linear(64, 48)).bfloat16().requires_grad_(False)
-    assert bf16_rows.bind(model) == 0
+    for flags in ("fpu avx512f avx512_bf16", "fpu avx512f avx512_bf16 amx_bf16 amx_tile", "fpu avx2 fma"):
+        monkeypatch.setattr(native, "cpu_flags", lambda: f"flags : {flags}")  # Zen 4/5, Xeon with AMX, AVX2 only
+        assert bf16_rows.choice() == "bf16_rows", flags  # the row kernels everywhere: AMX's oneDNN GEMM is not
+    model = nn.Sequential(nn.Linear(64, 48)).bfloat16().requires_grad_(False)  # row-invariant
+    assert bf16_rows.bind(model) == 1
     monkeypatch.setenv(bf16_rows.CHOICE_ENV, "bf16_rows")
     assert bf16_rows.choice() == "bf16_rows" and bf16_rows.bind(model) == 1
     monkeypatch.setenv(bf16_rows.CHOICE_ENV, "onednn")
@@ -232,6 +231,6 @@ def test_bind_lets_a_bf16_cpu_models_attention_run_the_kernel(monkeypatch):
     assert not any(getattr(n, bf16_rows.NORM) for n in norms)
     bf16_rows.bind(model.float(), "bf16_rows")  # fp32: nothing for the kernel
     assert not any(getattr(a, bf16_rows.ATTEND) for a in attentions)
-    monkeypatch.setattr(bf16_rows, "status", lambda: (False, "this CPU has no AVX-512 BF16"))
+    monkeypatch.setattr(bf16_rows, "status", lambda: (False, "no C++ compiler"))
     bf16_rows.bind(model.bfloat16(), "bf16_rows")
     assert not any(getattr(a, bf16_rows.ATTEND) for a in attentions)

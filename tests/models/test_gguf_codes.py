@@ -241,7 +241,7 @@ def test_tiny_qwen2_gguf_with_k_quants_loads_and_steps_read_its_codes(tmp_path, 
     with torch.inference_mode():
         model(ids[:, :16], 0)
         steps = torch.cat([model(ids[:, i:i + 1], i)[0] for i in range(16, 24)], 1)
-    # the fused coded matvec sums in another order than BLAS (compile_decode's contract): float
+    # the fused coded matvec sums in another order than BLAS (compile_steps' contract): float
     # rounding only, on logits of magnitude ~1-10 here
     torch.testing.assert_close(steps, want[:, 16:24], rtol=1e-4, atol=1e-4)
 

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from polybasic.errors import ConfigError
+from polybasic.models import loader
 from polybasic.models.loader import load_model
 from polybasic.models.preflight import check_source
 from polybasic.quant import gguf_w4a8, w4a8
@@ -81,9 +82,11 @@ def test_a_binding_is_cached_per_file_and_model_and_a_bad_cache_is_rebuilt(tiny_
                if type(m) is torch.nn.Linear]
     cached = gguf_w4a8.cache_file(tiny_gguf, linears)
     assert [p.name for p in cached.parent.iterdir()] == [cached.name]  # written once, atomically
-    real_find = gguf_w4a8._find
+    real_find, real_read = gguf_w4a8._find, loader.read_state_dict
     monkeypatch.setattr(gguf_w4a8, "_find", lambda *a: pytest.fail("searched again despite the cache"))
+    monkeypatch.setattr(loader, "read_state_dict", lambda *a: pytest.fail("read the dense weights despite the cache"))
     again = load_any_model(f"{tiny_gguf}@w4a8", "bfloat16").model
+    monkeypatch.setattr(loader, "read_state_dict", real_read)
     assert sorted(first.state_dict(keep_vars=True)) == sorted(again.state_dict(keep_vars=True))
     swapped = [(n, m) for n, m in first.named_modules() if isinstance(m, gguf_w4a8.GGUFLinear)]
     assert swapped and all(torch.equal(getattr(m, f"tiles{i}"), getattr(again.get_submodule(n), f"tiles{i}"))

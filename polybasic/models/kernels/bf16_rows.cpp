@@ -1,5 +1,9 @@
-// Row-invariant bf16 linear for CPUs with AVX-512 BF16: y = x @ w^T (+ b), the kernel 'bf16_rows'
+// Row-invariant bf16 linear, attention and RMSNorm: y = x @ w^T (+ b), the kernel 'bf16_rows'
 // (polybasic/models/bf16_rows.py builds it on first use; experiments/bf16_rows_kernel.py measures it).
+// Two builds of one arithmetic: AVX-512 BF16 (vdpbf16ps) where the compiler targets it, and elsewhere a
+// portable one (plain C++, any CPU: AVX2, or AVX-512 without BF16) that performs the same fp32 operations
+// in the same order, one lane at a time (see `namespace portable`), so it is row-invariant too and, on a CPU
+// that has both, gives the same bits for normal (not subnormal) values.
 //
 // x [M, K] bf16, w [N, K] bf16 (row-major, as nn.Linear keeps it), b [N] or none -> y [M, N] bf16.
 // Every output y[m, n] is summed the same way whatever M is and wherever row m sits in x: a 16-lane fp32
@@ -17,8 +21,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -29,11 +35,28 @@
 
 namespace {
 
+// The sum of 16 fp32 lanes in one fixed tree: lane i + lane i+8, then 4 apart, 2 apart, 1 apart (the tree GCC's
+// _mm512_reduce_add_ps uses, written out so that every compiler and the portable build sum alike).
+inline float tree16(const float* l) {
+  float a[8], b[4];
+  for (int i = 0; i < 8; ++i) a[i] = l[i] + l[i + 8];
+  for (int i = 0; i < 4; ++i) b[i] = a[i] + a[i + 4];
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 constexpr int NB = 4;              // weight rows per block
 constexpr int MB = 6;              // x rows per pass: NB * MB = 24 of the 32 vector registers accumulate
 constexpr int MB_WIDE = 7;         // 28 accumulators (x then read per product), where it saves a pass (7, 13-14 rows)
 
 #if PB_BF16
+inline float hsum16(__m512 v) {  // tree16 of a vector's lanes, in registers
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));  // l[i] + l[i+8]
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // a[i] + a[i+4]
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));  // b[0] + b[2], b[1] + b[3]
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
 // out[m * nb + n] = sum_k w[n, k] x[m, k] for the block's nb weight rows and mb x rows; each step also
 // prefetches `lines` cache lines of the range [pf, pf + pf_len), from offset pf_at on.
 template <int mb, int nb>
@@ -59,7 +82,7 @@ inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* ou
     step([tail](const uint16_t* p) { return _mm512_maskz_loadu_epi16(tail, p); });
   }
   for (int m = 0; m < mb; ++m)
-    for (int n = 0; n < nb; ++n) out[m * nb + n] = _mm512_reduce_add_ps(acc[m][n]);
+    for (int n = 0; n < nb; ++n) out[m * nb + n] = hsum16(acc[m][n]);
 }
 
 // dot_block for a run-time row count 1..mb.
@@ -108,8 +131,108 @@ void all_blocks(const uint16_t* wp, const uint16_t* xp, const float* bp, at::BFl
 }
 #endif
 
+// The same arithmetic without AVX-512 BF16, one lane at a time: a 16-lane accumulator whose lane i takes, per step
+// of 32 columns, the product of elements 2i+1 and then of 2i, each rounded into it (vdpbf16ps's order; a product
+// of two bf16 values is exact in fp32), masked-off elements as zeros, then tree16; exp, softmax, RMSNorm and the
+// roundings to bf16 as the native code computes them. The compiler vectorizes it for whatever the CPU has.
+namespace portable {
+
+inline float f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+
+inline float bf16_round(float v) { return static_cast<float>(at::BFloat16(v)); }  // nearest even
+
+// sum over k < K of a[k] b[k], in the native dot product's order
+inline float dot(const uint16_t* a, const uint16_t* b, int64_t K) {
+  float acc[16] = {};
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int i = 0; i < 16; ++i) {
+      const int64_t odd = k + 2 * i + 1, even = k + 2 * i;
+      acc[i] += odd < K ? f32(a[odd]) * f32(b[odd]) : 0.f;
+      acc[i] += even < K ? f32(a[even]) * f32(b[even]) : 0.f;
+    }
+  }
+  return tree16(acc);
+}
+
+void mm(const uint16_t* wp, const uint16_t* xp, const float* bp, at::BFloat16* yp, int64_t M, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        yp[m * N + n] = at::BFloat16(dot(wp + n * K, xp + m * K, K) + (bp ? bp[n] : 0.f));
+  });
+}
+
+// exp_ps of one value: the same steps, each rounded as the vector instruction rounds it
+inline float exp1(float x) {
+  x = std::max(x, -104.f);
+  const float n = std::nearbyint(x * 1.44269504089f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r + 1.f);
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+// attend_row for one query head over keys 0..L-1 (s: scratch of Lp floats)
+void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t krow, int64_t L, int64_t D,
+                float scale, float* s, int64_t Lp, at::BFloat16* out) {
+  for (int64_t j = 0; j < L; ++j) s[j] = dot(q, k + j * krow, D) * scale;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) top = std::max(top, s[j]);
+  float lanes[16] = {};
+  for (int64_t j = 0; j < Lp; ++j) {
+    const float e = j < L ? exp1(s[j] - top) : 0.f;
+    if (j < L) s[j] = e;
+    lanes[j % 16] += e;
+  }
+  const float inv = 1.f / tree16(lanes);
+  for (int64_t c = 0; c < D; ++c) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < L; ++j) acc = std::fma(s[j], f32(v[j * krow + c]), acc);
+    out[c] = at::BFloat16(acc * inv);
+  }
+}
+
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos, at::Tensor& y,
+            float scale) {
+  const int64_t H = q.size(1), M = q.size(2), D = q.size(3), G = k.size(1), S = k.size(2), krow = k.stride(2);
+  const int64_t r = H / G;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, H * M, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t head = t / M, i = t % M, g = head / r, L = std::min<int64_t>(pos[i] + 1, S);
+      s.resize((L + 15) / 16 * 16);
+      attend_row(qp + head * q.stride(1) + i * q.stride(2), kp + g * k.stride(1), vp + g * v.stride(1), krow, L, D,
+                 scale, s.data(), static_cast<int64_t>(s.size()), yp + (head * M + i) * D);
+    }
+  });
+}
+
+void norm(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, int64_t rows, int64_t E, float eps) {
+  at::parallel_for(0, rows, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* xr = xp + r * E;
+      float acc[16] = {};
+      for (int64_t k = 0; k < E; ++k) acc[k % 16] = std::fma(f32(xr[k]), f32(xr[k]), acc[k % 16]);
+      const float inv = 1.f / std::sqrt(tree16(acc) / float(E) + eps);
+      for (int64_t k = 0; k < E; ++k)
+        yp[r * E + k] = at::BFloat16(f32(wp[k]) * bf16_round(f32(xr[k]) * inv)).x;
+    }
+  });
+}
+
+}  // namespace portable
+
 at::Tensor bf16_rows_mm(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(PB_BF16, "bf16_rows: built for a CPU without AVX-512 BF16");
   TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16,
               "bf16_rows: x must be a 2-D bf16 CPU tensor [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu(),
@@ -119,17 +242,19 @@ at::Tensor bf16_rows_mm(const at::Tensor& x_in, const at::Tensor& w, const c10::
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "bf16_rows: bias has ", bias->numel(), " values for ", N, " outputs");
+  TORCH_CHECK(bias->numel() == N, "bf16_rows: bias has ", bias->numel(), " values for ", N, " outputs");
     b = bias->to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({M, N}, x.options());
-#if PB_BF16
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+#if PB_BF16
   if ((M + MB_WIDE - 1) / MB_WIDE < (M + MB - 1) / MB) all_blocks<MB_WIDE>(wp, xp, bp, yp, M, N, K);
   else all_blocks<MB>(wp, xp, bp, yp, M, N, K);
+#else
+  portable::mm(wp, xp, bp, yp, M, N, K);
 #endif
   return y;
 }
@@ -176,7 +301,7 @@ void attend_row(const uint16_t* const* q, const uint16_t* k, const uint16_t* v, 
       const __m512bh kv = (__m512bh)_mm512_loadu_si512(kj + 32 * c);
       for (int h = 0; h < r; ++h) acc[h] = _mm512_dpbf16_ps(acc[h], qv[h][c], kv);
     }
-    for (int h = 0; h < r; ++h) s[h * Lp + j] = _mm512_reduce_add_ps(acc[h]) * scale;
+    for (int h = 0; h < r; ++h) s[h * Lp + j] = hsum16(acc[h]) * scale;
   }
   float inv[r];
   for (int h = 0; h < r; ++h) {  // softmax in fp32: max, e^(s - max) in place, sum (16 lanes, then one sum)
@@ -192,7 +317,7 @@ void attend_row(const uint16_t* const* q, const uint16_t* k, const uint16_t* v, 
       _mm512_storeu_ps(sh + j, e);
       sum = _mm512_add_ps(sum, e);
     }
-    inv[h] = 1.f / _mm512_reduce_add_ps(sum);
+    inv[h] = 1.f / hsum16(sum);
   }
   for (int64_t c = 0; c < D / 16; c += 8) {  // weighted sum of v, 128 columns (8 vectors) per head a sweep
     const int64_t w = std::min<int64_t>(8, D / 16 - c);
@@ -256,7 +381,6 @@ void attend_dispatch(int heads, const at::Tensor& q, const at::Tensor& k, const 
 // bits depend on its own q, pos and keys alone, not on M or the other rows, so a verification's rows
 // equal one-token steps'.
 at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos_in) {
-  TORCH_CHECK(PB_BF16, "bf16_rows: built for a CPU without AVX-512 BF16");
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_in.size(0) == 1 && k.size(0) == 1 &&
               v.sizes() == k.sizes(), "bf16_rows.attend: q [1, H, M, D], k and v [1, G, S, D]");
   TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -276,6 +400,8 @@ at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const a
   at::Tensor y = at::empty({1, H, M, D}, q.options());
 #if PB_BF16
   attend_dispatch<8>(static_cast<int>(H / G), q, k, v, pp, y, 1.f / std::sqrt(float(D)));
+#else
+  portable::attend(q, k, v, pp, y, 1.f / std::sqrt(float(D)));
 #endif
   return y;
 }
@@ -285,7 +411,6 @@ at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const a
 // masked last step), then one horizontal sum; so a row's bits depend on that row alone, whatever the row count.
 // One row is a few hundred nanoseconds of work, so the rows are split across cores only in long calls.
 at::Tensor bf16_rows_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
-  TORCH_CHECK(PB_BF16, "bf16_rows: built for a CPU without AVX-512 BF16");
   TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16,
               "bf16_rows.norm: x must be a bf16 CPU tensor [..., E]");
   const int64_t E = x_in.size(-1);
@@ -293,11 +418,11 @@ at::Tensor bf16_rows_norm(const at::Tensor& x_in, const at::Tensor& w, double ep
               w.device().is_cpu(), "bf16_rows.norm: w must be a contiguous bf16 CPU tensor of x's last size, ", E);
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty_like(x);
-#if PB_BF16
   const int64_t rows = E ? x.numel() / E : 0;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+#if PB_BF16
   const int64_t full = E / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (E - full)) - 1);
   auto load = [&](const uint16_t* p, int64_t k) {  // 16 bf16 (fewer at the tail, zeros after) -> fp32, exactly
@@ -312,7 +437,7 @@ at::Tensor bf16_rows_norm(const at::Tensor& x_in, const at::Tensor& w, double ep
         const __m512 v = load(xr, k);
         acc = _mm512_fmadd_ps(v, v, acc);
       }
-      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(E) + float(eps)));
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(hsum16(acc) / float(E) + float(eps)));
       for (int64_t k = 0; k < E; k += 16) {
         const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load(wp, k), round(_mm512_mul_ps(load(xr, k), inv))));
         if (k < full) _mm256_storeu_si256((__m256i*)(yp + r * E + k), out);
@@ -320,11 +445,15 @@ at::Tensor bf16_rows_norm(const at::Tensor& x_in, const at::Tensor& w, double ep
       }
     }
   });
+#else
+  portable::norm(xp, wp, yp, rows, E, static_cast<float>(eps));
 #endif
   return y;
 }
 
 bool bf16_rows_native() { return PB_BF16; }
+
+std::string bf16_rows_isa() { return PB_BF16 ? "avx512_bf16" : "portable"; }
 
 }  // namespace
 
@@ -333,6 +462,7 @@ TORCH_LIBRARY(polybasic_bf16_rows, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos) -> Tensor");
   m.def("norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("native() -> bool", &bf16_rows_native);
+  m.def("isa() -> str", &bf16_rows_isa);
 }
 
 TORCH_LIBRARY_IMPL(polybasic_bf16_rows, CPU, m) {

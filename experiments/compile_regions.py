@@ -1,0 +1,140 @@
+"""Compiled steps as one graph of the whole model against one graph per layer (models.static regions), side by side.
+
+    python -m experiments.compile_regions --model qwen2.5-coder-1.5b@w4a8 --dtype bfloat16 --sizes 1,2,4,6,64
+
+1. Compile time, cold and warm, per mode: each mode compiles in a child process of its own with an empty inductor
+   cache (cold), then again with that cache (warm); the steps' first calls are timed (compile and one run), and
+   the graphs dynamo made are counted.
+2. Steady time per step: both modes in one process, their steps called alternately (a step of each size at the
+   same position, rolled back), median of --reps; and whether their logits are bit-equal.
+Prints a markdown table; --json writes the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from polybasic.models.prepare import inductor_options
+from polybasic.quant.api import load_any_model
+
+WHOLE = "whole"
+
+
+def modes(spans: list[int]) -> list[str]:
+    """'whole', then 'regions:N' per N layers a region."""
+    return [WHOLE, *(f"regions:{n}" for n in spans)]
+
+
+def _load(model: str, dtype: str):
+    lm = load_any_model(model, dtype, "cpu")
+    return lm, lm.gguf_file if lm.model.dtype == torch.float32 else None  # fp32 steps read the GGUF's codes
+
+
+def _compile(model, gguf, sizes, mode: str, length: int) -> tuple[float, int]:
+    """Compile and warm every size in `mode`; (seconds, graphs dynamo compiled)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    t0 = time.perf_counter()
+    if mode != WHOLE:
+        model.layers_per_region = int(mode.split(":")[1])
+    model.compile_steps(gguf, inductor_options("cpu"), sizes, lambda _: None, regions=mode != WHOLE)
+    model.setup_caches(length)
+    model.warm_steps()
+    return time.perf_counter() - t0, counters["stats"]["unique_graphs"] - before
+
+
+def child(a: argparse.Namespace) -> None:
+    """One mode's compile, printed as JSON (run in a fresh process per mode and cache)."""
+    lm, gguf = _load(a.model, a.dtype)
+    seconds, graphs = _compile(lm.model, gguf, a.sizes, a.child, a.length)
+    print(json.dumps({"seconds": seconds, "graphs": graphs}))
+
+
+def compile_times(a: argparse.Namespace, caches: dict[str, str]) -> dict:
+    """Each mode compiled cold in a child process with an empty inductor cache of its own (caches[mode]), then warm
+    in another with that cache."""
+    out = {}
+    for mode in caches:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=caches[mode])
+        cmd = [sys.executable, "-m", "experiments.compile_regions", "--model", a.model, "--dtype", a.dtype,
+               "--sizes", ",".join(map(str, a.sizes)), "--length", str(a.length), "--child", mode]
+        runs = [json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+                           .stdout.strip().splitlines()[-1]) for _ in ("cold", "warm")]
+        out[mode] = {"cold_s": runs[0]["seconds"], "warm_s": runs[1]["seconds"], "graphs": runs[0]["graphs"]}
+    return out
+
+
+@torch.inference_mode()
+def steady(a: argparse.Namespace, caches: dict[str, str]) -> dict:
+    """Every mode's steps in one process (compiled from the caches the children left), alternated."""
+    models = {}
+    for mode in (reversed(list(caches)) if a.reverse else caches):  # the order the models load in
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = caches[mode]
+        lm, gguf = _load(a.model, a.dtype)
+        _compile(lm.model, gguf, a.sizes, mode, a.length)
+        models[mode] = lm.model
+    vocab = models[WHOLE].args.vocab_size
+    ids = torch.randint(0, vocab, (1, a.prompt + max(a.sizes)), generator=torch.Generator().manual_seed(0))
+    p = a.prompt
+    for m in models.values():
+        m(ids[:, :p], 0)
+    rows = [s for s in a.sizes if s <= 16]
+    times = {(mode, r): [] for mode in models for r in rows}
+    equal = {r: True for r in rows}
+    for _ in range(a.reps):
+        for r in rows:
+            outs = {}
+            for mode, m in models.items():
+                t0 = time.perf_counter()
+                outs[mode] = m(ids[:, p:p + r], p)[0]
+                times[mode, r].append(time.perf_counter() - t0)
+            equal[r] &= all(torch.equal(outs[WHOLE], o) for o in outs.values())
+    return {r: {**{f"{mode}_ms": 1e3 * statistics.median(times[mode, r]) for mode in models}, "bit_equal": equal[r]}
+            for r in rows}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b@w4a8")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sizes", default="1,2,4,6,64", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--length", type=int, default=512, help="the caches' length")
+    p.add_argument("--prompt", type=int, default=200, help="tokens before the timed steps")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", default=None)
+    p.add_argument("--reverse", action="store_true", help="load the region modes' models before the whole one's")
+    p.add_argument("--spans", default="1", type=lambda s: [int(x) for x in s.split(",")],
+                   help="layers per compiled region, one mode each (beside the whole model's graph)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return child(a)
+    with tempfile.TemporaryDirectory() as root:
+        caches = {mode: os.path.join(root, mode.replace(":", "-")) for mode in modes(a.spans)}
+        compiled = compile_times(a, caches)
+        steps = steady(a, caches)
+    print(f"{a.model} ({a.dtype}), sizes {a.sizes}, {torch.get_num_threads()} threads\n")
+    print("| mode | compile cold | compile warm | graphs |\n|---|---|---|---|")
+    for mode, c in compiled.items():
+        print(f"| {mode} | {c['cold_s']:.1f} s | {c['warm_s']:.1f} s | {c['graphs']} |")
+    names = [m for m in compiled if m != WHOLE]
+    print(f"\n| rows | whole | {' | '.join(names)} | logits bit-equal |\n|---|---|{'---|' * len(names)}---|")
+    for r, s in steps.items():
+        cells = " | ".join(f"{s[m + '_ms']:.2f} ms ({s[m + '_ms'] / s[WHOLE + '_ms']:.3f}x)" for m in names)
+        print(f"| {r} | {s[WHOLE + '_ms']:.2f} ms | {cells} | {s['bit_equal']} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"compile": compiled, "steps": steps}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
