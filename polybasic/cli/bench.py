@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
                         "the prefill chunk (default: 1,2,4,8,12,16,64 on the CPU, 1,16,128 on CUDA); fewer sizes compile faster")
     p.add_argument("--compile-mode", default="layers", choices=COMPILE_MODES,
                    help="*-compiled methods on a CPU: 'layers' compiles one graph per layer and size, shared by every "
-                        "layer (seconds); 'whole' one graph of the whole model per size (minutes, steps ~4%% faster)")
+                        "layer (seconds); 'whole' one graph of the whole model per size (minutes, steps ~5%% faster)")
     p.add_argument("--thresholds", default=None, metavar="N,N",
                    help="chain:SPEC and chain-compiled:SPEC: how many tokens each middle level accumulates before "
                         "handing them up, one per middle level (default: k + 1 each)")

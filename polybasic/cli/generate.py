@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
                         "static-shape steps, the time printed apart; on a CPU 'layers' (the default) compiles one "
                         "graph per layer and size, shared by every layer (under a minute the first time, seconds "
                         "once inductor has cached it), 'whole' one graph of the whole model per size (minutes, "
-                        "steps ~4%% faster)")
+                        "steps ~5%% faster)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=_cmd_generate)
 

@@ -193,7 +193,7 @@ def scored_rows(k: int, thresholds: Sequence[int] | None, n_levels: int) -> list
     draft the level below hands up, plus one. The bottom hands up at most k; a middle level with threshold t
     stops once it holds t tokens, after a round of at most (the hand-up below) + 1, so it hands up at most
     t + (the hand-up below). Compiled steps should cover these sizes, or such calls run padded to the prefill
-    chunk (docs/results.md: a 1.5B target's 10-row verifications padded to 64 rows)."""
+    chunk (docs/history.md: a 1.5B target's 10-row verifications padded to 64 rows)."""
     ts = [k + 1] * (n_levels - 2) if thresholds is None else list(thresholds)
     up, rows = k, []
     for t in reversed(ts):  # middle levels, bottom-most first

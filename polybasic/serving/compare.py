@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# the acceptance check of issue 30: vLLM's acceptance length within 10% of our tau for the same head and k
+# the acceptance check: vLLM's acceptance length within 10% of our tau for the same head and k
 ACCEPTANCE_TOLERANCE = 0.10
 NEAR_TIE = 0.05  # logits: two fp32 implementations of one model differ by ~1e-4..1e-2 here
 # the runs compared, by key: ours (our lean decoder), ours-eagle3 (our chain [target, head]), ours-compiled
@@ -103,7 +103,7 @@ def summary(prompts: Sequence[dict], runs: dict[str, list[dict]], *, k: int, vll
         "our_spec_counters": our_spec,
         "differences": diffs,
         "checks": {
-            # issue 30: identical to vLLM's vanilla on at least n-1 prompts, every difference a near-tie
+            # the check: identical to vLLM's vanilla on at least n-1 prompts, every difference a near-tie
             "vllm_eagle3_identical_to_vllm": (identical.get(spec_pair, 0) >= n - 1 and all_near_ties)
             if spec_pair in identical else None,
             "acceptance_within_10pct_of_our_tau": within(acc, our_tau),

@@ -1,4 +1,4 @@
-"""The [D2] ablation driver: derived recipes (overrides applied, every recipe validated before any
+"""The drafter-quality ablation driver: derived recipes (overrides applied, every recipe validated before any
 work), the ablation.md table from results dicts, resume (finished variants skipped), and the real
 train + diagnose glue on a tiny model (the bench subprocess replaced; its command line is parsed
 by the real `polybasic bench` parser)."""
@@ -158,7 +158,7 @@ def test_markdown_rows_from_results():
     md = A.render_markdown("python -m experiments.ablation --recipe r.yaml", ["Setting line."], variants,
                            results, (0.0, 1.0))
     lines = md.splitlines()
-    assert lines[:5] == ["# Drafter-quality ablation ([D2])", "", "```",
+    assert lines[:5] == ["# Drafter-quality ablation", "", "```",
                          "python -m experiments.ablation --recipe r.yaml", "```"]
     assert "Setting line." in lines
     i = lines.index("| variant | overrides | train s | steps | step-1 @ draft starts | walk tau | tau T=0 | "
