@@ -70,7 +70,9 @@ def status() -> tuple[bool, str]:
 def isa() -> str:
     """Which build runs here: 'avx512_bf16' (vdpbf16ps) or 'portable' (plain C++ in the same order), or '' where
     the kernel cannot run (status())."""
-    return str(torch.ops.polybasic_bf16_rows.isa()) if status()[0] else ""
+    if not status()[0]:
+        return ""
+    return "avx512_bf16" if torch.ops.polybasic_bf16_rows.native() else "portable"
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

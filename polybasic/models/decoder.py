@@ -10,6 +10,7 @@ Shapes: B batch, M tokens in this call, S cache length, H heads, G kv heads, D h
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,15 +69,25 @@ class Transformer(nn.Module):
         same_batch = self.max_seq_len > 0 and self.layers[0].attention.kv_cache.k.shape[0] == batch
         rows = max_seq_len
         if self._static is not None:  # padding rows write up to `largest` rows past the sequence
-            max_seq_len, rows = self._static.cache_rows(max_seq_len, self.args.max_seq_len)
-            if same_batch and (max_seq_len == self.max_seq_len or
-                               (max_seq_len < self.max_seq_len and not self._static.shrink)):
+            max_seq_len = self._static.size_class(max_seq_len, self.args.max_seq_len,
+                                                  self.max_seq_len if same_batch else 0)
+            rows = max_seq_len + self._static.largest
+            if same_batch and max_seq_len == self.max_seq_len:
                 return
         elif max_seq_len <= self.max_seq_len and same_batch:
             return
         with torch.inference_mode(False):  # plain tensors whoever calls (generate runs in inference mode,
             self._allocate(rows, batch)  # a warm-up need not): compiled steps guard on that, one graph each
         self.max_seq_len = max_seq_len
+
+    def cache_classes(self, lengths) -> list[int]:
+        """The distinct cache lengths (size classes) that setup_caches takes for requests of these lengths in this
+        order, from fresh caches (static steps only; where the caches only grow, the largest so far)."""
+        current, out = 0, []
+        for n in lengths:
+            current = self._static.size_class(n, self.args.max_seq_len, current)
+            out.append(current)
+        return list(dict.fromkeys(out))
 
     def _allocate(self, rows: int, batch: int) -> None:
         """KV caches [B, G, rows, D], RoPE tables [rows, 1, D] and the causal mask [rows, rows]."""
@@ -129,8 +140,8 @@ class Transformer(nn.Module):
         options: inductor options (models.prepare.compile_for_device passes the device's).
         notify: told before each first compile (default: the log).
         regions: on the CPU, compile one graph per size for a decoder layer, which every layer runs (and the LM head
-        apart where it reads GGUF codes), the rest of a step eager (models.static: ~10x less compile time, the
-        same speed); False: one graph of the whole step, as on CUDA (CUDA graphs) always.
+        apart where it reads GGUF codes), the rest of a step eager (models.static: ~6x less compile time, steps
+        ~4-8% slower); False: one graph of the whole step, as on CUDA (CUDA graphs) always.
         """
         coded = attach_codes(self, gguf) if gguf is not None else 0
         if self._static is None:
@@ -228,16 +239,9 @@ class Transformer(nn.Module):
         if not steps.regions:  # CUDA: one graph of the whole step
             return self._run(tokens, cos, sin, mask, pos, pick)
         shape = (*tokens.shape, self.max_seq_len)  # what a layer's graph depends on: B, M and the cache size
-        x = self.tok_embeddings(tokens)  # [B, M, E]
-        taken = []  # outputs of self.feature_layers, each [B, M, E]
-        for i, group in enumerate(self._layer_groups()):
-            x = steps.region("layer", shape, i, group, x, cos, sin, mask, pos)
-            if group.last in self.feature_layers:
-                taken.append(x)
-        hidden = torch.cat(taken + [x], dim=-1) if taken else x  # [B, M, (n+1) E]
-        if isinstance(getattr(self.output, "codes", None), Tensor):  # compiled, the head reads its block codes
-            return steps.region("head", (*shape, pick is None), 0, self.norm, self.output, x, pick), hidden
-        return _head_step(self.norm, self.output, x, pick), hidden
+        keys = {"layer": shape, "head": (*shape, pick is None)}
+        return self._run(tokens, cos, sin, mask, pos, pick,
+                         lambda name, i, *args: steps.region(name, keys[name], i, *args))
 
     def _forward(self, tokens: Tensor, start: int, tail: int, key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         m = tokens.shape[1]
@@ -250,21 +254,22 @@ class Transformer(nn.Module):
         return self._run(tokens, cos, sin, mask, start, tail)
 
     def _run(self, tokens: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor,
-             rows: int | Tensor | None) -> tuple[Tensor, Tensor]:
+             rows: int | Tensor | None, region: Callable | None = None) -> tuple[Tensor, Tensor]:
         """The layers, then the final norm and LM head over `rows`: the last `rows` (an int), the rows of
-        a tensor of indices, or all (None)."""
+        a tensor of indices, or all (None). region(name, index, *args): a static step's compiled regions
+        (StaticSteps.region), which run the layers in groups (`_layer_groups`) and the head where it reads GGUF
+        codes; None: everything here."""
         x = self.tok_embeddings(tokens)  # [B, M, E]
+        parts = list(enumerate(self.layers)) if region is None else [(g.last, g) for g in self._layer_groups()]
         taken = []  # outputs of self.feature_layers, each [B, M, E]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, start)
-            if i in self.feature_layers:
+        for j, (last, part) in enumerate(parts):
+            x = part(x, cos, sin, mask, start) if region is None else region("layer", j, part, x, cos, sin, mask, start)
+            if last in self.feature_layers:
                 taken.append(x)
         hidden = torch.cat(taken + [x], dim=-1) if taken else x  # [B, M, (n+1) E]
-        if isinstance(rows, Tensor):
-            x = x.index_select(1, rows)
-        elif rows is not None and rows < x.shape[1]:
-            x = x[:, -rows:]
-        return project(self.output, self.norm(x)), hidden
+        if region is not None and isinstance(getattr(self.output, "codes", None), Tensor):  # compiled: reads codes
+            return region("head", 0, self.norm, self.output, x, rows), hidden
+        return _head_step(self.norm, self.output, x, rows), hidden
 
 
 class LayerGroup(nn.Module):
@@ -287,10 +292,13 @@ def _layer_step(group: LayerGroup, x: Tensor, cos: Tensor, sin: Tensor, mask: Te
     return group(x, cos, sin, mask, pos)
 
 
-def _head_step(norm: nn.Module, output: nn.Module, x: Tensor, pick: Tensor | None) -> Tensor:
-    """The final norm and LM head over the rows `pick` [1] of x [B, M, E] (None: all) -> logits [B, 1 or M, V]."""
-    if pick is not None:
-        x = x.index_select(1, pick)
+def _head_step(norm: nn.Module, output: nn.Module, x: Tensor, rows: int | Tensor | None) -> Tensor:
+    """The final norm and LM head over x [B, M, E]'s last `rows` (an int), the rows of a tensor of indices, or all
+    (None) -> logits [B, rows, V]."""
+    if isinstance(rows, Tensor):
+        x = x.index_select(1, rows)
+    elif rows is not None and rows < x.shape[1]:
+        x = x[:, -rows:]
     return project(output, norm(x))
 
 

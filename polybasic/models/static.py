@@ -120,12 +120,12 @@ class StaticSteps:
         self.mode = compile_mode(self.device)
         self.raw = fn
         self.regions = regions if regions and self.mode is None else None
-        compile_ = functools.partial(torch.compile, dynamic=False, mode=self.mode, options=None if self.mode else options)
+        compile_ = functools.partial(torch.compile, dynamic=False, mode=self.mode,
+                                     options=None if self.mode else options)
         self.fn = fn if self.regions else compile_(fn)
         self.compiled = {name: compile_(f) for name, f in (self.regions or {}).items()}
         self.direct: dict = {}  # (key, grad mode, inference mode) -> unguarded(...) or None (see _call)
         self.guarded: set = set()  # the states (see _call) called through dynamo's guards so far
-        self.graphs: set = set()  # the (region, key)s compiled or loaded from inductor's cache (regions only)
         self.notify = notify or log.info
         # whether the caches take each request's size class, smaller ones too (Transformer.setup_caches): on
         # the CPU a step's attention over rows it never reads costs more than compiling the class (a 1.5B W4
@@ -164,6 +164,12 @@ class StaticSteps:
         usable = usable if limit is None else min(limit, usable)
         return usable, usable + self.largest
 
+    def size_class(self, n: int, limit: int | None = None, current: int = 0) -> int:
+        """The usable length caches of `current` usable rows take for sequences of up to n tokens: n's class
+        (cache_rows), or `current` where that holds more and the caches only grow (shrink False)."""
+        usable = self.cache_rows(n, limit)[0]
+        return current if usable < current and not self.shrink else usable
+
     def chunks(self, m: int, start: int, device):
         """The steps that run m tokens from position `start`: (offset, real rows n, padded size, positions
         [size]) per chunk of at most the largest size."""
@@ -198,9 +204,6 @@ class StaticSteps:
     def region(self, name: str, key, index: int, *args):
         """Region `name`'s compiled code on args, from a step's fn: `key` names the shapes its graph depends on,
         `index` the caller (e.g. a layer), whose own guards are checked once before its calls skip them."""
-        if (name, key) not in self.graphs:
-            self.graphs.add((name, key))
-            return self.compiled[name](*args)
         return self._call((name, key, index), self.compiled[name], self.regions[name], args)
 
     def _call(self, key, compiled: Callable, raw: Callable, args: tuple):

@@ -194,10 +194,9 @@ def bind(model: nn.Module, gguf: str | Path) -> tuple[int, int]:
     over those codes; returns (swapped, linears). Raises ConfigError where the kernel cannot run here. The swaps
     are read from `cache_file` when it is there, else found and written to it with the rest of the model's
     weights (what `load_bound` needs to build the bound model from the cache alone)."""
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    linears = _linears(model)
     check(linears[0][1].weight.device if linears else "cpu")
-    path = cache_file(gguf, linears)
-    cached = _read_cache(path, linears) if path.is_file() else None
+    path, cached = _cached(gguf, linears)
     coded = cached[0] if cached else _find(linears, gguf)
     _swap(model, coded)
     if cached is None:
@@ -212,9 +211,7 @@ def load_bound(gguf: str | Path, args: ModelArgs, dtype: torch.dtype) -> Transfo
     model's 7 GB in fp32); None where there is no usable cache (then load the model and `bind` it)."""
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
-    path = cache_file(gguf, linears)
-    cached = _read_cache(path, linears) if path.is_file() else None
+    path, cached = _cached(gguf, _linears(model))
     if cached is None or not cached[1]:
         return None
     _swap(model, cached[0])
@@ -223,6 +220,16 @@ def load_bound(gguf: str | Path, args: ModelArgs, dtype: torch.dtype) -> Transfo
         log.warning("ignoring the cached w4a8 binding %s: it lacks some of the model's weights", path)
         return None
     return model.eval().requires_grad_(False)
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+
+
+def _cached(gguf: str | Path, linears: list[tuple[str, nn.Linear]]) -> tuple[Path, tuple | None]:
+    """(bind's cache file for these linears, what _read_cache reads from it, or None where there is none)."""
+    path = cache_file(gguf, linears)
+    return path, _read_cache(path, linears) if path.is_file() else None
 
 
 def _swap(model: nn.Module, coded: dict[str, "GGUFLinear"]) -> None:

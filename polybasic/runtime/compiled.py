@@ -45,12 +45,8 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
         compile_for_device(lvl.head, flag=flag, sizes=sizes, notify=progress)
         lvl.head.bind(lvl.base.model)
         lvl.head.setup_caches(max_len + 1)
-    classes = []  # (model, the lengths whose cache size class it warms)
-    for n in [max_len, *sorted(set(lengths)), max_len]:  # max_len first (caches that only grow stay in its
-        for m in models:  # class) and last (the caches end in its class)
-            m.setup_caches(n)
-            if (m, m.max_seq_len) not in classes:
-                classes.append((m, m.max_seq_len))
+    # each model's cache size classes, max_len's first (caches that only grow stay in it)
+    classes = [(m, n) for m in models for n in m.cache_classes([max_len, *sorted(set(lengths))])]
     progress.total = sum(len(m.warm_calls(decode)) for m, _ in classes) + sum(
         len(lvl.head._static.sizes) * len(_widths(lvl)) for lvl in heads)
     for m, n in classes:

@@ -24,7 +24,6 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <string>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -242,7 +241,7 @@ at::Tensor bf16_rows_mm(const at::Tensor& x_in, const at::Tensor& w, const c10::
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-  TORCH_CHECK(bias->numel() == N, "bf16_rows: bias has ", bias->numel(), " values for ", N, " outputs");
+    TORCH_CHECK(bias->numel() == N, "bf16_rows: bias has ", bias->numel(), " values for ", N, " outputs");
     b = bias->to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({M, N}, x.options());
@@ -453,8 +452,6 @@ at::Tensor bf16_rows_norm(const at::Tensor& x_in, const at::Tensor& w, double ep
 
 bool bf16_rows_native() { return PB_BF16; }
 
-std::string bf16_rows_isa() { return PB_BF16 ? "avx512_bf16" : "portable"; }
-
 }  // namespace
 
 TORCH_LIBRARY(polybasic_bf16_rows, m) {
@@ -462,7 +459,6 @@ TORCH_LIBRARY(polybasic_bf16_rows, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos) -> Tensor");
   m.def("norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("native() -> bool", &bf16_rows_native);
-  m.def("isa() -> str", &bf16_rows_isa);
 }
 
 TORCH_LIBRARY_IMPL(polybasic_bf16_rows, CPU, m) {
