@@ -51,7 +51,7 @@ def _mm_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])  # [M, N]
 
 
-def _attend_fake(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+def _attend_fake(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, anc: Tensor | None = None) -> Tensor:
     return q.new_empty(q.shape)  # [1, H, M, D]
 
 
@@ -81,10 +81,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, anc: Tensor | None = None) -> Tensor:
     """q [1, H, M, D] bf16 over k, v [1, G, S, D] (rows contiguous), row i seeing key rows 0..pos[i] (pos [M]) ->
-    [1, H, M, D] bf16, every row computed as if alone (kernels/bf16_rows.cpp)."""
-    return torch.ops.polybasic_bf16_rows.attend(q, k, v, pos)
+    [1, H, M, D] bf16, every row computed as if alone (kernels/bf16_rows.cpp). A token tree's rows: anc [M, T] int64
+    holds the cache slots of row i's last T key positions pos[i]-T+1..pos[i] (its ancestors' and its own, in depth
+    order; positions below read their own rows), and the row gets the bits of a call over those keys gathered."""
+    return torch.ops.polybasic_bf16_rows.attend(q, k, v, pos, anc)
 
 
 def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -72,14 +72,30 @@ def build_library(name: str, source: Traversable, cache_dir: Path | None = None)
 
 def load_ops(name: str, source: Traversable, fakes: dict[str, Callable], cache_dir: Path | None = None) -> Path:
     """build_library, then load it once as torch.ops.polybasic_`name`, with a fake (meta) implementation per
-    op (`fakes`: op name -> function) so that torch.compile traces through them; returns the library's path."""
+    op (`fakes`: op name -> function) so that torch.compile traces through them; returns the library's path.
+    The library's key joins torch.compile's cache key (tag_compile_caches)."""
     lib = build_library(name, source, cache_dir)
     ops = getattr(torch.ops, f"polybasic_{name}")
     if not all(hasattr(ops, op) for op in fakes):
         torch.ops.load_library(str(lib))
         for op, fake in fakes.items():
             torch.library.register_fake(f"polybasic_{name}::{op}")(fake)
+    tag_compile_caches(lib.stem)
     return lib
+
+
+def tag_compile_caches(library: str) -> None:
+    """Add `library` (NAME-KEY, the key of its source) to torch.compiler.config.cache_key_tag, so that graphs
+    inductor cached on disk are reused only with the kernels they were compiled against: its cache key covers a
+    graph and torch but not a custom op's schema, and a graph compiled against an older schema (one argument
+    fewer) read past its argument list: a segfault. The tag lists the libraries sorted, after any tag of the
+    user's."""
+    config = torch.compiler.config
+    parts = [p for p in config.cache_key_tag.split("|") if p]
+    mine = {p for p in parts if p.startswith("polybasic_")}
+    if f"polybasic_{library}" not in mine:
+        rest = [p for p in parts if p not in mine]
+        config.cache_key_tag = "|".join(rest + sorted(mine | {f"polybasic_{library}"}))
 
 
 def usable(build: Callable[[], object], native: Callable[[], bool], missing: str) -> tuple[bool, str]:

@@ -217,6 +217,69 @@ def test_attention_refuses_what_it_cannot_run():
         bf16_rows.attend(q, k, v, torch.tensor([3, -1]))
 
 
+def _windows(pos: torch.Tensor, t: int) -> torch.Tensor:
+    """anc [M, t] naming each row's own last t positions: the slots a call without anc reads."""
+    return pos[:, None] - t + 1 + torch.arange(t)
+
+
+def test_attention_with_identity_windows_is_attention_without_them():
+    q, k, v = _attention_case(12, 2, 128, 9, 300)
+    pos = torch.tensor([250, 251, 252, 253, 254, 255, 256, 257, 258])
+    full = bf16_rows.attend(q, k, v, pos)
+    for t in (1, 9):
+        assert torch.equal(bf16_rows.attend(q, k, v, pos, _windows(pos, t)), full), t
+    near = torch.tensor([0, 2, 15, 16, 5, 3, 1, 8, 9])  # windows reaching below position 0: those entries unused
+    anc = torch.where(_windows(near, 9) < 0, 10 ** 6, _windows(near, 9))
+    assert torch.equal(bf16_rows.attend(q, k, v, near, anc), bf16_rows.attend(q, k, v, near))
+
+
+def _tree(m: int, prefix: int, seed: int):
+    """m draft nodes after `prefix` committed rows, node i in slot prefix + perm[i] with a random earlier parent
+    (node 0's: the prefix): positions [m] (prefix + depth) and anc [m, m] (the ancestors' and own slots in depth
+    order, left-padded with the positions below the tree)."""
+    gen = torch.Generator().manual_seed(seed)
+    slot = prefix + torch.randperm(m, generator=gen)
+    chains: list[list[int]] = []
+    for i in range(m):
+        parent = int(torch.randint(-1, i, (), generator=gen)) if i else -1
+        chains.append((chains[parent] if parent >= 0 else []) + [int(slot[i])])
+    pos = torch.tensor([prefix + len(c) - 1 for c in chains])
+    anc = torch.tensor([list(range(prefix - m + len(c), prefix)) + c for c in chains])
+    return pos, anc
+
+
+@pytest.mark.parametrize("h,g,d", [(12, 2, 128), (4, 2, 64)])
+def test_a_tree_nodes_attention_is_a_one_token_step_over_its_branch(h, g, d):
+    prefix, m = 250, 8
+    q, k, v = _attention_case(h, g, d, m, 300, seed=h)
+    pos, anc = _tree(m, prefix, seed=d)
+    assert len(set(pos.tolist())) > 1 and (anc[:, -1] != pos).any()  # several depths, slots not positions
+    y = bf16_rows.attend(q, k, v, pos, anc)
+    for i in range(m):
+        rows = torch.cat([torch.arange(prefix), anc[i, m - 1 - int(pos[i]) + prefix:]])  # the branch, in order
+        assert len(rows) == pos[i] + 1
+        alone = bf16_rows.attend(q[:, :, i:i + 1], k[:, :, rows], v[:, :, rows], pos[i:i + 1])
+        assert torch.equal(y[:, :, i:i + 1], alone), i
+    step = torch.compile(bf16_rows.attend, dynamic=False, fullgraph=True)
+    assert torch.equal(step(q, k, v, pos, anc), y)  # compiled with anc: the same bits
+
+
+def test_attention_refuses_slots_outside_the_cache():
+    q, k, v = _attention_case(4, 2, 64, 2, 8)
+    pos = torch.tensor([5, 6])
+    for bad in (8, -1):
+        anc = _windows(pos, 3)
+        anc[1, 2] = bad
+        with pytest.raises(RuntimeError, match=rf"bf16_rows.attend: anc\[1\]\[2\] = {bad} is not a slot"):
+            bf16_rows.attend(q, k, v, pos, anc)
+    with pytest.raises(RuntimeError, match="reads rows 0..8 of a cache of 8"):  # the rows below the window
+        bf16_rows.attend(q, k, v, torch.tensor([5, 10]), torch.tensor([[3, 4], [5, 6]]))
+    with pytest.raises(RuntimeError, match=r"bf16_rows.attend: anc must be an integer CPU tensor \[M, T\]"):
+        bf16_rows.attend(q, k, v, pos, _windows(pos, 3)[:1])
+    with pytest.raises(RuntimeError, match="anc must be an integer"):
+        bf16_rows.attend(q, k, v, pos, _windows(pos, 3).float())
+
+
 def test_bind_lets_a_bf16_cpu_models_attention_run_the_kernel(monkeypatch):
     from tests.helpers import lean_from_hf, tiny_hf_llama
 
@@ -234,3 +297,19 @@ def test_bind_lets_a_bf16_cpu_models_attention_run_the_kernel(monkeypatch):
     monkeypatch.setattr(bf16_rows, "status", lambda: (False, "no C++ compiler"))
     bf16_rows.bind(model.bfloat16(), "bf16_rows")
     assert not any(getattr(a, bf16_rows.ATTEND) for a in attentions)
+
+
+def test_compile_caches_are_keyed_by_the_kernels_built():
+    """A graph inductor cached against another build of a kernel (another schema) is not reused: each loaded
+    library's key is part of torch.compile's cache key tag, after the user's own tag, sorted, once."""
+    from polybasic.models import native
+
+    if not bf16_rows.status()[0]:
+        pytest.skip(f"the bf16_rows kernel cannot run here: {bf16_rows.status()[1]}")
+    before = torch.compiler.config.cache_key_tag
+    assert len([p for p in before.split("|") if p.startswith("polybasic_bf16_rows-")]) == 1
+    with torch.compiler.config.patch(cache_key_tag="mine|polybasic_b-1"):
+        native.tag_compile_caches("a-2")
+        native.tag_compile_caches("a-2")
+        assert torch.compiler.config.cache_key_tag == "mine|polybasic_a-2|polybasic_b-1"
+    assert torch.compiler.config.cache_key_tag == before

@@ -207,10 +207,14 @@ def test_the_portable_build_is_row_invariant_and_computes_the_native_bits(tmp_pa
 
 
 def sample_outputs() -> dict[str, torch.Tensor]:
-    """The three ops on fixed random inputs of the 1.5B's shapes (normal values: no subnormal flushing in play)."""
+    """The three ops on fixed random inputs of the 1.5B's shapes (normal values: no subnormal flushing in play);
+    attention also over a token tree's slots (anc)."""
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(5, 1536, generator=g).bfloat16(), (torch.randn(2048, 1536, generator=g) / 40).bfloat16()
     b = torch.randn(2048, generator=g).bfloat16()
     q, k, v = (torch.randn(1, h, n, 128, generator=g).bfloat16() for h, n in ((12, 5), (2, 300), (2, 300)))
+    pos = torch.tensor([290, 291, 291, 292, 293])  # nodes at depths 0, 1, 1, 2, 3 in slots 295..299
+    anc = torch.tensor([[288, 289, 290, 295], [289, 290, 295, 296], [289, 290, 295, 297], [290, 295, 297, 298],
+                        [295, 297, 298, 299]])
     return {"linear": bf16_rows.linear(x, w, b), "attend": bf16_rows.attend(q, k, v, torch.arange(295, 300)),
-            "norm": bf16_rows.norm(3 * x, w[0], 1e-6)}
+            "attend_tree": bf16_rows.attend(q, k, v, pos, anc), "norm": bf16_rows.norm(3 * x, w[0], 1e-6)}

@@ -43,6 +43,14 @@ inline float tree16(const float* l) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// Row i's keys for attend: calls f(L, slot) with its L logical key positions and slot(j), the cache row of position
+// j: j itself, or in a token tree (anc [M, T]) anc[i][j - lo] for the last T positions j >= lo = pos - T + 1.
+template <class F>
+inline void with_keys(int64_t i, int64_t pos, int64_t S, const int64_t* anc, int64_t T, F&& f) {
+  if (anc) f(pos + 1, [a = anc + i * T, lo = pos - T + 1](int64_t j) { return j < lo ? j : a[j - lo]; });
+  else f(std::min<int64_t>(pos + 1, S), [](int64_t j) { return j; });
+}
+
 constexpr int NB = 4;              // weight rows per block
 constexpr int MB = 6;              // x rows per pass: NB * MB = 24 of the 32 vector registers accumulate
 constexpr int MB_WIDE = 7;         // 28 accumulators (x then read per product), where it saves a pass (7, 13-14 rows)
@@ -177,10 +185,11 @@ inline float exp1(float x) {
   return std::ldexp(p, static_cast<int>(n));
 }
 
-// attend_row for one query head over keys 0..L-1 (s: scratch of Lp floats)
-void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t krow, int64_t L, int64_t D,
-                float scale, float* s, int64_t Lp, at::BFloat16* out) {
-  for (int64_t j = 0; j < L; ++j) s[j] = dot(q, k + j * krow, D) * scale;
+// attend_row for one query head over key positions 0..L-1, position j in cache row slot(j) (s: scratch of Lp floats)
+template <class Slot>
+void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t krow, int64_t L, Slot slot,
+                int64_t D, float scale, float* s, int64_t Lp, at::BFloat16* out) {
+  for (int64_t j = 0; j < L; ++j) s[j] = dot(q, k + slot(j) * krow, D) * scale;
   float top = -INFINITY;
   for (int64_t j = 0; j < L; ++j) top = std::max(top, s[j]);
   float lanes[16] = {};
@@ -192,13 +201,13 @@ void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t
   const float inv = 1.f / tree16(lanes);
   for (int64_t c = 0; c < D; ++c) {
     float acc = 0.f;
-    for (int64_t j = 0; j < L; ++j) acc = std::fma(s[j], f32(v[j * krow + c]), acc);
+    for (int64_t j = 0; j < L; ++j) acc = std::fma(s[j], f32(v[slot(j) * krow + c]), acc);
     out[c] = at::BFloat16(acc * inv);
   }
 }
 
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos, at::Tensor& y,
-            float scale) {
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos, const int64_t* anc,
+            int64_t T, at::Tensor& y, float scale) {
   const int64_t H = q.size(1), M = q.size(2), D = q.size(3), G = k.size(1), S = k.size(2), krow = k.stride(2);
   const int64_t r = H / G;
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -208,10 +217,12 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   at::parallel_for(0, H * M, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t head = t / M, i = t % M, g = head / r, L = std::min<int64_t>(pos[i] + 1, S);
-      s.resize((L + 15) / 16 * 16);
-      attend_row(qp + head * q.stride(1) + i * q.stride(2), kp + g * k.stride(1), vp + g * v.stride(1), krow, L, D,
-                 scale, s.data(), static_cast<int64_t>(s.size()), yp + (head * M + i) * D);
+      const int64_t head = t / M, i = t % M, g = head / r;
+      with_keys(i, pos[i], S, anc, T, [&](int64_t L, auto slot) {
+        s.resize((L + 15) / 16 * 16);
+        attend_row(qp + head * q.stride(1) + i * q.stride(2), kp + g * k.stride(1), vp + g * v.stride(1), krow, L,
+                   slot, D, scale, s.data(), static_cast<int64_t>(s.size()), yp + (head * M + i) * D);
+      });
     }
   });
 }
@@ -283,17 +294,18 @@ inline __m512 widen(__m256i h) {  // 16 bf16 -> 16 fp32, exactly
 
 inline __m512 bf16x16_to_ps(const uint16_t* p) { return widen(_mm256_loadu_si256((const __m256i*)p)); }
 
-// One query row of the r query heads sharing kv head g: out[h] = softmax(q[h] . k[0..L) * scale) @ v[0..L).
-// D is a multiple of 32, at most 256. s is scratch of r * Lp floats (Lp = L rounded up to 16).
-template <int r>
-void attend_row(const uint16_t* const* q, const uint16_t* k, const uint16_t* v, int64_t krow, int64_t L,
+// One query row of the r query heads sharing kv head g: out[h] = softmax(q[h] . k[0..L) * scale) @ v[0..L), key
+// position j in cache row slot(j). D is a multiple of 32, at most 256. s is scratch of r * Lp floats (Lp = L
+// rounded up to 16).
+template <int r, class Slot>
+void attend_row(const uint16_t* const* q, const uint16_t* k, const uint16_t* v, int64_t krow, int64_t L, Slot slot,
                 int64_t D, float scale, float* s, int64_t Lp, at::BFloat16* const* out) {
   const int64_t C = D / 32;
   __m512bh qv[r][8];
   for (int h = 0; h < r; ++h)
     for (int64_t c = 0; c < C; ++c) qv[h][c] = (__m512bh)_mm512_loadu_si512(q[h] + 32 * c);
   for (int64_t j = 0; j < L; ++j) {  // scores, one key row at a time: each of the r heads reads it
-    const uint16_t* kj = k + j * krow;
+    const uint16_t* kj = k + slot(j) * krow;
     __m512 acc[r];
     for (int h = 0; h < r; ++h) acc[h] = _mm512_setzero_ps();
     for (int64_t c = 0; c < C; ++c) {
@@ -324,7 +336,7 @@ void attend_row(const uint16_t* const* q, const uint16_t* k, const uint16_t* v, 
     for (int h = 0; h < r; ++h)
       for (int64_t u = 0; u < 8; ++u) acc[h][u] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; ++j) {
-      const uint16_t* vj = v + j * krow + 16 * c;
+      const uint16_t* vj = v + slot(j) * krow + 16 * c;
       for (int64_t u = 0; u < w; ++u) {
         const __m512 x = bf16x16_to_ps(vj + 16 * u);
         for (int h = 0; h < r; ++h) acc[h][u] = _mm512_fmadd_ps(_mm512_set1_ps(s[h * Lp + j]), x, acc[h][u]);
@@ -339,7 +351,7 @@ void attend_row(const uint16_t* const* q, const uint16_t* k, const uint16_t* v, 
 
 template <int r>
 void attend_rows_r(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos,
-                   at::Tensor& y, float scale) {
+                   const int64_t* anc, int64_t T, at::Tensor& y, float scale) {
   const int64_t H = q.size(1), M = q.size(2), D = q.size(3), G = k.size(1);
   const int64_t S = k.size(2), krow = k.stride(2);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -349,8 +361,7 @@ void attend_rows_r(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   at::parallel_for(0, G * M, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / M, i = t % M, L = std::min<int64_t>(pos[i] + 1, S), Lp = (L + 15) / 16 * 16;
-      s.resize(r * Lp);
+      const int64_t g = t / M, i = t % M;
       const uint16_t* qh[r];
       at::BFloat16* oh[r];
       for (int h = 0; h < r; ++h) {
@@ -358,17 +369,21 @@ void attend_rows_r(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         qh[h] = qp + head * q.stride(1) + i * q.stride(2);
         oh[h] = yp + (head * M + i) * D;
       }
-      attend_row<r>(qh, kp + g * k.stride(1), vp + g * v.stride(1), krow, L, D, scale, s.data(), Lp, oh);
+      with_keys(i, pos[i], S, anc, T, [&](int64_t L, auto slot) {
+        const int64_t Lp = (L + 15) / 16 * 16;
+        s.resize(r * Lp);
+        attend_row<r>(qh, kp + g * k.stride(1), vp + g * v.stride(1), krow, L, slot, D, scale, s.data(), Lp, oh);
+      });
     }
   });
 }
 
 template <int r>
 void attend_dispatch(int heads, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos,
-                     at::Tensor& y, float scale) {
+                     const int64_t* anc, int64_t T, at::Tensor& y, float scale) {
   if constexpr (r > 0) {
-    if (heads == r) attend_rows_r<r>(q, k, v, pos, y, scale);
-    else attend_dispatch<r - 1>(heads, q, k, v, pos, y, scale);
+    if (heads == r) attend_rows_r<r>(q, k, v, pos, anc, T, y, scale);
+    else attend_dispatch<r - 1>(heads, q, k, v, pos, anc, T, y, scale);
   }
 }
 #endif
@@ -378,8 +393,11 @@ void attend_dispatch(int heads, const at::Tensor& q, const at::Tensor& k, const 
 // Scores are vdpbf16ps dot products summed like bf16_rows_mm's (16 lanes in order, one horizontal sum),
 // times D^-0.5; softmax and the weighted sum of v in fp32, key rows in order; one rounding to bf16. A row's
 // bits depend on its own q, pos and keys alone, not on M or the other rows, so a verification's rows
-// equal one-token steps'.
-at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos_in) {
+// equal one-token steps'. Token trees: anc [M, T] int64 (optional) puts row i's last T key positions j >= lo =
+// pos[i] - T + 1 in cache rows anc[i][j - lo] (its ancestors' and its own slots; j < lo: row j), so a tree node's
+// row gets the bits of a one-token step over those keys gathered in order (entries for j < 0 unused).
+at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos_in,
+                            const c10::optional<at::Tensor>& anc_in) {
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_in.size(0) == 1 && k.size(0) == 1 &&
               v.sizes() == k.sizes(), "bf16_rows.attend: q [1, H, M, D], k and v [1, G, S, D]");
   TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -396,11 +414,32 @@ at::Tensor bf16_rows_attend(const at::Tensor& q_in, const at::Tensor& k, const a
   TORCH_CHECK(pos.numel() == M, "bf16_rows.attend: ", pos.numel(), " positions for ", M, " rows");
   const int64_t* pp = pos.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(pp, pp + M, [](int64_t p) { return p >= 0; }), "bf16_rows.attend: a negative position");
+  at::Tensor anc;
+  const int64_t* ap = nullptr;
+  int64_t T = 0;
+  if (anc_in.has_value() && anc_in->defined()) {
+    TORCH_CHECK(anc_in->dim() == 2 && anc_in->size(0) == M && anc_in->size(1) >= 1 && anc_in->device().is_cpu() &&
+                at::isIntegralType(anc_in->scalar_type(), /*includeBool=*/false),
+                "bf16_rows.attend: anc must be an integer CPU tensor [M, T] with T >= 1 (M = ", M, "), not ",
+                anc_in->scalar_type(), " ", anc_in->sizes());
+    anc = anc_in->to(at::kLong).contiguous();
+    ap = anc.data_ptr<int64_t>();
+    T = anc.size(1);
+    const int64_t S = k.size(2);
+    for (int64_t i = 0; i < M; ++i) {  // every cache row a row reads: 0..lo-1, then anc[i][t] for lo + t >= 0
+      const int64_t lo = pp[i] - T + 1;
+      TORCH_CHECK(lo <= S, "bf16_rows.attend: row ", i, " at position ", pp[i], " reads rows 0..", lo - 1,
+                  " of a cache of ", S, " (anc has ", T, " slots a row)");
+      for (int64_t t = std::max<int64_t>(0, -lo); t < T; ++t)
+        TORCH_CHECK(ap[i * T + t] >= 0 && ap[i * T + t] < S, "bf16_rows.attend: anc[", i, "][", t, "] = ",
+                    ap[i * T + t], " is not a slot of a cache of ", S, " rows");
+    }
+  }
   at::Tensor y = at::empty({1, H, M, D}, q.options());
 #if PB_BF16
-  attend_dispatch<8>(static_cast<int>(H / G), q, k, v, pp, y, 1.f / std::sqrt(float(D)));
+  attend_dispatch<8>(static_cast<int>(H / G), q, k, v, pp, ap, T, y, 1.f / std::sqrt(float(D)));
 #else
-  portable::attend(q, k, v, pp, y, 1.f / std::sqrt(float(D)));
+  portable::attend(q, k, v, pp, ap, T, y, 1.f / std::sqrt(float(D)));
 #endif
   return y;
 }
@@ -456,7 +495,7 @@ bool bf16_rows_native() { return PB_BF16; }
 
 TORCH_LIBRARY(polybasic_bf16_rows, m) {
   m.def("mm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor? anc=None) -> Tensor");
   m.def("norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("native() -> bool", &bf16_rows_native);
 }
