@@ -95,11 +95,14 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.row_attention = False  # bf16 rows on the CPU run bf16_rows.attend (set by bf16_rows.bind)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor,
+                tree: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """x [B, M, E]; cos, sin [M, 1, D] with sin sign-folded; mask [M, start+M] or [B, 1, M, start+M], or None for
         M=1 (sees everything) and for a prefill from 0 (plain causal).
-        Static step (models.static): start is the rows' positions [M] and mask [M, S] says which of the
-        cache's S rows each may see; every shape is then fixed by M and S alone."""
+        Static step (models.static): start is the rows' slots [M] and mask [M, S] says which of the
+        cache's S rows each may see; every shape is then fixed by M and S alone.
+        tree: a token tree's rows (models.tree): their logical positions [M] and ancestor map [M, T]; the rows are
+        written at their slots (start...), mask is the tree's (tree.visible)."""
         bsz, m, _ = x.shape
         h, g = self.n_heads, self.n_kv
         qkv = project(self.wqkv, x).view(bsz, m, h + 2 * g, self.head_dim)  # [B, M, H+2G, D]
@@ -114,7 +117,7 @@ class Attention(nn.Module):
             # M is, so a prompt's rows get the same bits in one call, in chunks or compiled (and sooner than
             # SDPA's: 0.25 against 0.45 s for a 671-token prompt of Qwen2.5-1.5B, AMD EPYC, 2 cores)
             pos = start if isinstance(start, Tensor) else torch.arange(start, start + m, device=q.device)  # [M]
-            y = bf16_rows.attend(q, k, v, pos)  # [1, H, M, D]
+            y = bf16_rows.attend(q, k, v, pos) if tree is None else bf16_rows.attend(q, k, v, *tree)  # [1, H, M, D]
         elif isinstance(start, Tensor):
             y = masked_attention(q, k, v, mask)  # [B, H, M, D]
         elif m == 1 and (mask is None or mask.dim() == 4):  # one row: no mask, or a batch's key mask [B, 1, 1, S]
@@ -123,9 +126,12 @@ class Attention(nn.Module):
               and q.dtype in ROW_INVARIANT_DTYPES and q.device.type == "cpu"):
             # k-token verification in bf16/fp16: each row exactly as a one-token step computes it (its
             # own key length, the same call), because SDPA's bits for a row change with the row count
-            # and bf16 rounds those into different logits (see gguf_codes.project for the linears)
-            y = torch.cat([self._attend_one(q[:, :, i:i + 1], k[:, :, :start + i + 1], v[:, :, :start + i + 1])
-                           for i in range(m)], dim=2)  # [B, H, M, D]
+            # and bf16 rounds those into different logits (see gguf_codes.project for the linears); a tree's
+            # row reads its own keys (the prefix, its ancestors) gathered in logical order
+            keys = [torch.arange(start + i + 1, device=q.device) for i in range(m)] if tree is None else \
+                [_slots(p, a) for p, a in zip(tree[0].tolist(), tree[1])]
+            y = torch.cat([self._attend_one(q[:, :, i:i + 1], k.index_select(2, s), v.index_select(2, s))
+                           for i, s in enumerate(keys)], dim=2)  # [B, H, M, D]
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m > 1 and mask is None,
                                                enable_gqa=h != g)  # [B, H, M, D]
@@ -143,6 +149,12 @@ class Attention(nn.Module):
         # a kv head's H/G query heads are rows of one call, so K/V are not repeated per query head
         y = F.scaled_dot_product_attention(q.reshape(bsz, g, h // g, self.head_dim), k, v)  # [B, G, H/G, D]
         return y.reshape(bsz, h, 1, self.head_dim)
+
+
+def _slots(pos: int, anc: Tensor) -> Tensor:
+    """A tree row's key slots in logical order, positions 0..pos (anc [T]: models.tree.layout's map) -> [pos+1]."""
+    lo = pos - anc.shape[0] + 1
+    return torch.cat((torch.arange(max(lo, 0), device=anc.device), anc[max(-lo, 0):]))
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -180,6 +192,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
-        h = self.attention(self.attention_norm(x), cos, sin, mask, start).add_(x)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor,
+                tree: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        h = self.attention(self.attention_norm(x), cos, sin, mask, start, tree).add_(x)
         return self.feed_forward(self.ffn_norm(h)).add_(h)

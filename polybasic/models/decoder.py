@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from polybasic.errors import ConfigError
+from polybasic.models import tree as token_tree
 from polybasic.models.args import ModelArgs
 from polybasic.models.blocks import KVCache, RMSNorm, rope_tables
 from polybasic.models.families import block_for, family_for
@@ -156,33 +157,41 @@ class Transformer(nn.Module):
         return coded
 
     @torch.inference_mode()
-    def warm_steps(self, decode: bool = False) -> None:
+    def warm_steps(self, decode: bool = False, trees: bool = False) -> None:
         """Compile every step now: each size with all rows' logits, and the one-token and prefill-chunk
         steps that read one row's, so that no compile lands inside a timed or latency-critical call.
         decode: only the two steps plain decoding runs (generate_tokens), the one-token step and the prefill
-        chunk, each reading one row's logits. Writes garbage to cache rows the next generation overwrites;
-        needs setup_caches first."""
+        chunk, each reading one row's logits. trees: also each size's token-tree step (a chain's level that
+        verifies trees). Writes garbage to cache rows the next generation overwrites; needs setup_caches first."""
         for _ in range(self._static.warm_runs):
-            for size, last_only in self.warm_calls(decode):
-                self(torch.zeros(1, size, dtype=torch.long, device=self.device), 0, last_only=last_only)
+            for size, last_only, tree in self.warm_calls(decode, trees):
+                self(torch.zeros(1, size, dtype=torch.long, device=self.device), 0, last_only=last_only,
+                     parents=[-1] * size if tree else None)
 
-    def warm_calls(self, decode: bool = False) -> list[tuple[int, bool]]:
-        """The (size, last_only) calls warm_steps makes: every size with all rows' logits (size 1 has one row), or
-        with decode the one-token step alone; then the prefill chunk reading one row's (none where long calls run
-        eagerly)."""
+    def warm_calls(self, decode: bool = False, trees: bool = False) -> list[tuple[int, bool, bool]]:
+        """The (size, last_only, tree) calls warm_steps makes: every size with all rows' logits (size 1 has one
+        row), or with decode the one-token step alone; with trees each size above 1 as a tree too; then the prefill
+        chunk reading one row's (none where long calls run eagerly)."""
         steps = self._static
-        calls = [(1, True)] if decode else [(size, False) for size in steps.sizes if not steps.runs_eager(size)]
+        sizes = [size for size in steps.sizes if not steps.runs_eager(size)]
+        calls = [(1, True, False)] if decode else [(size, False, False) for size in sizes]
+        calls += [(size, False, True) for size in sizes if trees and size > 1]
         if not steps.runs_eager(steps.largest):
-            calls.append((steps.largest, True))
+            calls.append((steps.largest, True, False))
         return calls
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
-                key_mask: Tensor | None = None, tail: int | None = None) -> tuple[Tensor, Tensor]:
+                key_mask: Tensor | None = None, tail: int | None = None,
+                parents: list[int] | None = None) -> tuple[Tensor, Tensor]:
         """tokens [B, M] at positions start..start+M-1.
 
         key_mask [B, S'] (S' >= start+M, bool): cache rows each sequence may attend to, for
         left-padded batches (False on the padding). RoPE is relative, so a row padded by n slots
         scores exactly as if it started at slot 0.
+
+        parents [M]: the rows are a token tree (models.tree: row i's parent row, -1 for the prefix), written to cache
+        rows start..start+M-1 at their logical positions start + depth; keep_path then moves a kept path's rows in
+        place. None (or a path): an ordinary call.
 
         Returns logits [B, M, V] (only the last `tail` rows' with tail, [B, 1, V] with last_only) and the
         last layer's hidden states before the final norm, [B, M, E] (the features EAGLE-style drafters
@@ -194,9 +203,34 @@ class Transformer(nn.Module):
             raise ConfigError(f"sequence length: {end} tokens exceed the cache of {self.max_seq_len}; "
                               "call setup_caches with a larger max_seq_len")
         tail = 1 if last_only else min(tail or m, m)
+        if parents is not None and token_tree.is_path(parents):
+            parents = None
+        if parents is not None and (key_mask is not None or len(parents) != m or tokens.shape[0] != 1):
+            raise ConfigError(f"parents: a tree call takes one sequence and one parent per row ({len(parents)} for "
+                              f"{tokens.shape[0]} x {m} tokens) and no key_mask")
         if self._static is not None and key_mask is None and not self._static.runs_eager(m):
-            return self._static_chunks(tokens, start, tail)
-        return self._forward(tokens, start, tail, key_mask)
+            if parents is not None and m > self._static.largest:
+                raise ConfigError(f"parents: a tree of {m} rows exceeds the largest compiled step "
+                                  f"({self._static.largest}); draft smaller trees")
+            return self._static_chunks(tokens, start, tail, parents)
+        return self._forward(tokens, start, tail, key_mask, parents)
+
+    @property
+    def max_step_rows(self) -> int | None:
+        """The most rows a tree call can take (one compiled step, the largest size), None: any (eager)."""
+        return None if self._static is None else self._static.largest
+
+    @torch.inference_mode()
+    def keep_path(self, slots: list[int], start: int) -> None:
+        """Move the K/V in cache rows `slots` (a tree call's kept path, models.tree.path_slots) to rows start,
+        start+1, ... where the next calls read them; nothing to do where they are there already."""
+        if slots == list(range(start, start + len(slots))):
+            return
+        src = torch.tensor(slots, dtype=torch.long, device=self.device)
+        for layer in self.layers:
+            cache = layer.attention.kv_cache
+            for buf in (cache.k, cache.v):
+                buf[:, :, start:start + len(slots)] = buf.index_select(2, src)  # [B, G, n, D]
 
     def _layer_groups(self) -> list[LayerGroup]:
         """The layers in groups of `layers_per_region` (a group also ends at each of feature_layers, whose outputs
@@ -211,8 +245,10 @@ class Transformer(nn.Module):
             self._groups[self.feature_layers] = groups
         return groups
 
-    def _static_chunks(self, tokens: Tensor, start: int, tail: int) -> tuple[Tensor, Tensor]:
-        """forward through the compiled steps: chunks of the largest size, the last one padded."""
+    def _static_chunks(self, tokens: Tensor, start: int, tail: int, parents: list[int] | None = None
+                       ) -> tuple[Tensor, Tensor]:
+        """forward through the compiled steps: chunks of the largest size, the last one padded (a tree: one chunk,
+        its padding rows a path after the last row)."""
         steps, m = self._static, tokens.shape[1]
         logits, hidden = [], []
         for a, n, size, pos in steps.chunks(m, start, tokens.device):
@@ -222,30 +258,42 @@ class Transformer(nn.Module):
             # logits: fewer graphs to compile, and their rows' logits are wanted anyway)
             one = need <= 1 and size in (1, steps.largest)
             pick = positions(n - 1, 1, tokens.device) if one else None  # [1]
-            key = (tokens.shape[0], size, "last" if one else "all", self.max_seq_len, self.feature_layers)
-            lg, hd = steps(key, chunk, pos, pick)
+            key = (tokens.shape[0], size, "last" if one else "all", self.max_seq_len, self.feature_layers,
+                   parents is not None)
+            tree = None if parents is None else token_tree.layout(token_tree.pad(parents, size), start,
+                                                                  device=tokens.device)
+            lg, hd = steps(key, chunk, pos, pick, tree)
             hidden.append(hd[:, :n])
             if need:
                 logits.append(lg if one else lg[:, n - need:n])
         return (logits[0] if len(logits) == 1 else torch.cat(logits, 1)), \
             (hidden[0] if len(hidden) == 1 else torch.cat(hidden, 1))
 
-    def _static_forward(self, tokens: Tensor, pos: Tensor, pick: Tensor | None) -> tuple[Tensor, Tensor]:
-        """tokens [B, M] at positions pos [M], every cache row visible up to its own position; logits of
-        the rows `pick` [1] (None: all). With regions (the CPU), this runs eagerly and each layer, and the final
+    def _static_forward(self, tokens: Tensor, pos: Tensor, pick: Tensor | None,
+                        tree: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """tokens [B, M] at cache rows (slots) pos [M], every cache row visible up to its own position; logits of
+        the rows `pick` [1] (None: all). tree: the rows are a token tree (models.tree.layout: logical positions [M]
+        and ancestor map [M, M]). With regions (the CPU), this runs eagerly and each layer, and the final
         norm and LM head where they read GGUF codes, run one compiled graph per size (StaticSteps.region)."""
-        cos, sin, mask = self.rope_cos[pos], self.rope_sin[pos], self.causal_mask[pos]  # [M, 1, D] x2, [M, S]
+        at = pos if tree is None else tree[0]  # logical positions [M]
+        cos, sin = self.rope_cos[at], self.rope_sin[at]  # [M, 1, D] x2
+        mask = self.causal_mask[pos] if tree is None else token_tree.visible(*tree, self.causal_mask.shape[1])  # [M, S]
         steps = self._static
         if not steps.regions:  # CUDA: one graph of the whole step
-            return self._run(tokens, cos, sin, mask, pos, pick)
-        shape = (*tokens.shape, self.max_seq_len)  # what a layer's graph depends on: B, M and the cache size
-        keys = {"layer": shape, "head": (*shape, pick is None)}
+            return self._run(tokens, cos, sin, mask, pos, pick, tree=tree)
+        shape = (*tokens.shape, self.max_seq_len, tree is not None)  # what a layer's graph depends on: B, M, the
+        keys = {"layer": shape, "head": (*shape, pick is None)}  # cache size, tree or not
         return self._run(tokens, cos, sin, mask, pos, pick,
-                         lambda name, i, *args: steps.region(name, keys[name], i, *args))
+                         lambda name, i, *args: steps.region(name, keys[name], i, *args), tree)
 
-    def _forward(self, tokens: Tensor, start: int, tail: int, key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _forward(self, tokens: Tensor, start: int, tail: int, key_mask: Tensor | None = None,
+                 parents: list[int] | None = None) -> tuple[Tensor, Tensor]:
         m = tokens.shape[1]
         end = start + m
+        if parents is not None:  # a token tree: rows at slots start..end-1, logical positions start + depth
+            tree = token_tree.layout(parents, start, device=tokens.device)  # [M], [M, M]
+            cos, sin = self.rope_cos[tree[0]], self.rope_sin[tree[0]]  # [M, 1, D]
+            return self._run(tokens, cos, sin, token_tree.visible(*tree, end), start, tail, tree=tree)
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # [M, 1, D]
         mask = None if m == 1 or start == 0 else self.causal_mask[start:end, :end]  # [M, start+M]
         if key_mask is not None:
@@ -254,16 +302,18 @@ class Transformer(nn.Module):
         return self._run(tokens, cos, sin, mask, start, tail)
 
     def _run(self, tokens: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int | Tensor,
-             rows: int | Tensor | None, region: Callable | None = None) -> tuple[Tensor, Tensor]:
+             rows: int | Tensor | None, region: Callable | None = None,
+             tree: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The layers, then the final norm and LM head over `rows`: the last `rows` (an int), the rows of
         a tensor of indices, or all (None). region(name, index, *args): a static step's compiled regions
         (StaticSteps.region), which run the layers in groups (`_layer_groups`) and the head where it reads GGUF
-        codes; None: everything here."""
+        codes; None: everything here. tree: a token tree's positions and ancestor map (models.tree)."""
         x = self.tok_embeddings(tokens)  # [B, M, E]
         parts = list(enumerate(self.layers)) if region is None else [(g.last, g) for g in self._layer_groups()]
         taken = []  # outputs of self.feature_layers, each [B, M, E]
         for j, (last, part) in enumerate(parts):
-            x = part(x, cos, sin, mask, start) if region is None else region("layer", j, part, x, cos, sin, mask, start)
+            x = part(x, cos, sin, mask, start, tree) if region is None else \
+                region("layer", j, part, x, cos, sin, mask, start, tree)
             if last in self.feature_layers:
                 taken.append(x)
         hidden = torch.cat(taken + [x], dim=-1) if taken else x  # [B, M, (n+1) E]
@@ -280,16 +330,18 @@ class LayerGroup(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.last = last  # the model's index of the group's last layer
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor,
+                tree: tuple[Tensor, Tensor] | None = None) -> Tensor:
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, pos)
+            x = layer(x, cos, sin, mask, pos, tree)
         return x
 
 
-def _layer_step(group: LayerGroup, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+def _layer_step(group: LayerGroup, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor,
+                tree: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """A group of decoder layers of a static step (Transformer._static_forward): x [B, M, E] -> [B, M, E]; compiled
     once per shape, the same graph for every group of the same structure."""
-    return group(x, cos, sin, mask, pos)
+    return group(x, cos, sin, mask, pos, tree)
 
 
 def _head_step(norm: nn.Module, output: nn.Module, x: Tensor, rows: int | Tensor | None) -> Tensor:

@@ -140,7 +140,8 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
     verifications whose draft had all k tokens; the overhead is the chain's time outside the two
     levels' own calls, per verification. draft_fill (mean draft length / k) is 1 for a model or a
     head, which always propose k tokens but at a generation's end; for an n-gram proposer it is
-    measured without each generation's last draft (cut by the budget)."""
+    measured without each generation's last draft (cut by the budget). A drafter of token trees (tree_width > 1)
+    also gets its tree sizes (sizes), and the planner takes its tokens per verification from the histogram."""
     check_k(k)
     check(len(prompts) > 0, "prompts", "is empty", "pass held-out prompts from the training data")
     chain = Chain([verifier, drafter], k=k, eos=frozenset(eos))
@@ -153,6 +154,9 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
         skip = 1 if st.prompt_shared else 0  # the token the target committed from its prefill: no draft
         link.accepted += st.links[0].accepted[skip:]
         link.drafted += st.links[0].drafted[skip:]
+        for key, (acc, tried) in st.links[0].by_rank.items():
+            cell = link.by_rank.setdefault(key, [0, 0])
+            cell[0], cell[1] = cell[0] + acc, cell[1] + tried
         inner += st.links[0].drafted[skip:-1]
         outside_s += st.wall_s - sum(lv["time_s"] for lv in st.levels)
     s = link.summary()
@@ -165,8 +169,16 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
     else:  # no full-length draft (an n-gram proposer that rarely finds k tokens): the mean draft length
         rate = acceptance_rate(s["mean_accepted_length"], drafted) if drafted > 0 else 0.0
     fill = min(1.0, sum(inner) / len(inner) / k) if level_kind(drafter) == "ngram" and inner else 1.0
+    sizes = _counts(link.drafted) if drafter.tree_width > 1 else {}
     return PairProfile(verifier.name, drafter.name, k, n, s["mean_accepted_length"], rate, fill, s["histogram"],
-                       max(0.0, outside_s) * 1e3 / n)
+                       max(0.0, outside_s) * 1e3 / n, drafter.tree_width, sizes, s.get("by_rank", {}))
+
+
+def _counts(values: Sequence[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def build_profile(levels: Sequence[Level], pairs: Sequence[tuple[Level, Level]], prompts: Sequence[list[int]],

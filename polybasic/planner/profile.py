@@ -81,6 +81,9 @@ class PairProfile:
     draft_fill: float = 1.0  # mean draft length / k (an n-gram proposer often finds nothing)
     histogram: dict = field(default_factory=dict)  # accepted length -> verifications (int keys; str in JSON)
     overhead_ms: float = 0.0  # chain bookkeeping per verification outside the level forwards
+    tree_width: int = 1  # > 1: the drafter drafts token trees of this many leaves (runtime.tree_verify)
+    sizes: dict = field(default_factory=dict)  # tree pairs: tree size (nodes) -> verifications (int keys; str in JSON)
+    by_rank: dict = field(default_factory=dict)  # tree pairs: "depth:rank" -> [accepted, tried] (LinkStats.by_rank)
 
     def __post_init__(self) -> None:
         where = f"pairs[{self.verifier}<-{self.drafter}]"
@@ -88,7 +91,16 @@ class PairProfile:
         check(0 <= self.rate <= 1, f"{where}.rate", f"must be in [0, 1], got {self.rate}", "re-run the profile")
         check(0 <= self.draft_fill <= 1, f"{where}.draft_fill", f"must be in [0, 1], got {self.draft_fill}",
               "mean draft length / k")
+        check(self.tree_width == 1 or (self.histogram and self.sizes), f"{where}.histogram",
+              "a tree pair needs its measured histogram and tree sizes", "re-run the profile")
         self.histogram = {int(a): int(n) for a, n in self.histogram.items()}  # JSON keys are strings
+        self.sizes = {int(a): int(n) for a, n in self.sizes.items()}
+
+    @property
+    def nodes(self) -> float:
+        """A tree pair's mean tree size (0 for a path pair)."""
+        total = sum(self.sizes.values())
+        return sum(s * n for s, n in self.sizes.items()) / total if total else 0.0
 
 
 @dataclass

@@ -120,7 +120,7 @@ def plan(profile: Profile, space: SearchSpace = SearchSpace()) -> Plan:
     rows = []
     for chain in candidate_chains(profile, space.max_levels):
         best: tuple[ChainConfig, Prediction] | None = None
-        for k in space.k_values:
+        for k in ks(profile, chain, space):
             for ts in itertools.product(space.thresholds, repeat=len(chain) - 2):
                 cfg = ChainConfig(chain, k, ts)
                 pred = predict(profile, cfg, space.new_tokens)
@@ -129,6 +129,13 @@ def plan(profile: Profile, space: SearchSpace = SearchSpace()) -> Plan:
         rows.append(_row(profile, *best, space.new_tokens))
     rows.sort(key=lambda r: -r.speedup)  # not ms_per_token: a level's slow prefill counts too
     return Plan(profile.target, baseline_ms(profile), rows)
+
+
+def ks(profile: Profile, chain: tuple[str, ...], space: SearchSpace) -> list[int]:
+    """The draft lengths to try for a chain: the search space's, or the profiled k alone where the bottom drafts
+    token trees (their acceptance is measured per shape, not modelled)."""
+    bottom = profile.pair(chain[-2], chain[-1])
+    return [bottom.k] if bottom is not None and bottom.tree_width > 1 else list(space.k_values)
 
 
 def _row(profile: Profile, cfg: ChainConfig, pred: Prediction, new_tokens: int | None) -> Row:

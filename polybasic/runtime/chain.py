@@ -23,6 +23,7 @@ from polybasic.runtime.generate import check_request
 from polybasic.runtime.levels import Level, ModelLevel, kv_compatible
 from polybasic.runtime.sampling import check_generator, sample
 from polybasic.runtime.stats import ChainStats, LinkStats
+from polybasic.runtime.tree_verify import rank_trials, verify_tree
 from polybasic.runtime.verify import speculative_verify
 
 
@@ -39,7 +40,9 @@ class Chain:
         draft_confidence: a drafting level ends what it hands up early, after a token it gave a
         probability below this (Level.confidence; 0: the bottom always drafts k tokens and a middle level
         hands up once it holds its threshold), so that k and the thresholds can be long where drafts are
-        sure and short where they are not. Lossless: it depends only on the drafting level's own outputs."""
+        sure and short where they are not. Lossless: it depends only on the drafting level's own outputs.
+        A bottom level with a tree_width > 1 drafts token trees of that many leaves (k deep), which the level above
+        verifies in one forward (runtime.tree_verify)."""
         levels = list(levels)
         check(len(levels) >= 2, "levels", f"a chain needs at least 2 levels, got {len(levels)}",
               "pass [target, drafter, ...]")
@@ -67,7 +70,8 @@ class Chain:
                                   f"target's {vocab}; every level must share the target's tokenizer")
         _check_tokenizers(levels)
         self.levels, self.k, self.thresholds = levels, k, [None] + thresholds + [None]
-        self.scored_rows = scored_rows(k, thresholds, len(levels))  # the most rows each level scores in a call
+        self.tree_width = levels[-1].tree_width
+        self.scored_rows = scored_rows(k, thresholds, len(levels), self.tree_width)  # most rows a level scores a call
         self.eos = frozenset(eos)
         self.adaptive_k = adaptive_k
         self.draft_confidence = draft_confidence
@@ -87,7 +91,7 @@ class Chain:
         self.sampling, self.generator = sampling, generator
         self._k = self.k  # current draft length of the bottom level
         for lvl in self.levels:
-            lvl.start(len(prompt) + budget + 1)
+            lvl.start(len(prompt) + budget + 1)  # a tree's branches past that are cut (Level.room)
         self.stats = st = ChainStats(prompt_tokens=len(prompt))
         st.links = [LinkStats(a.name, b.name) for a, b in zip(self.levels, self.levels[1:])]
         st.stop_reason = "max_new_tokens" if budget == max_new_tokens else "context_window"
@@ -152,13 +156,17 @@ class Chain:
         lvl, produced = self.levels[i], []
         while len(produced) < cap:
             ctx = context + produced
-            draft, q = self._chunk(i + 1, ctx, cap - len(produced) - 1)
-            p = lvl.score(ctx, draft, self.sampling)  # [len(draft)+1, V]
-            n_acc, nxt = speculative_verify(torch.tensor(draft, dtype=torch.long, device=p.device),
-                                            q.to(p.device), p, self.sampling.greedy, self.generator)
-            self.stats.links[i].record(n_acc, len(draft))
-            if self.adaptive_k and i == len(self.levels) - 2 and draft:
-                self._k = min(self.k, self._k + 2) if n_acc == len(draft) else max(1, self._k - 1)
+            if self.tree_width > 1 and i == len(self.levels) - 2:
+                n_acc, nxt, draft, p, drafted, full = self._tree_round(lvl, ctx, cap - len(produced) - 1)
+            else:
+                draft, q = self._chunk(i + 1, ctx, cap - len(produced) - 1)
+                p = lvl.score(ctx, draft, self.sampling)  # [len(draft)+1, V]
+                n_acc, nxt = speculative_verify(torch.tensor(draft, dtype=torch.long, device=p.device),
+                                                q.to(p.device), p, self.sampling.greedy, self.generator)
+                drafted, full = len(draft), n_acc == len(draft)
+            self.stats.links[i].record(n_acc, drafted)
+            if self.adaptive_k and i == len(self.levels) - 2 and drafted:
+                self._k = min(self.k, self._k + 2) if full else max(1, self._k - 1)
             new = draft[:n_acc] + [nxt]
             ends = next((j for j, t in enumerate(new) if t in self.eos), None)
             if ends is not None:  # nothing after an EOS is worth handing up
@@ -167,6 +175,23 @@ class Chain:
             yield new, p[:len(new)]
             if ends is not None:
                 return
+
+    def _tree_round(self, lvl: Level, context: list[int], cap: int
+                    ) -> tuple[int, int, list[int], Tensor, int, bool]:
+        """One verification of a tree the bottom level drafts (at most `cap` deep) by the level above it, `lvl`:
+        -> (nodes kept, next token, the kept path's tokens, lvl's distributions after the context and after each
+        kept node [kept+1, V], nodes drafted, whether the path ended at a leaf)."""
+        bottom = self.levels[-1]
+        tokens, parents, q = bottom.propose_tree(context, min(self._k, cap), self.tree_width, self.eos) \
+            if cap > 0 else ([], [], None)
+        room = lvl.room(context)  # the tree's rows must fit one forward: drop the last nodes (leaves first)
+        tokens, parents = tokens[:room], parents[:room]
+        p = lvl.score(context, tokens, self.sampling, parents=parents)  # [N+1, V]
+        path, nxt = verify_tree(tokens, parents, q, p, self.sampling.greedy, self.generator)
+        lvl.keep_path(context, tokens, parents, path)
+        self.stats.links[-1].record_ranks(rank_trials(parents, path))
+        leaf = bool(path) and path[-1] not in parents
+        return len(path), nxt, [tokens[j] for j in path], p[[0] + [1 + j for j in path]], len(tokens), leaf
 
     def _chunk(self, j: int, context: list[int], cap: int) -> tuple[list[int], Tensor]:
         """What level j hands up to level j-1: at most `cap` tokens after `context`, with the
@@ -188,9 +213,10 @@ class Chain:
         return tokens, torch.cat(rows)
 
 
-def scored_rows(k: int, thresholds: Sequence[int] | None, n_levels: int) -> list[int]:
+def scored_rows(k: int, thresholds: Sequence[int] | None, n_levels: int, tree_width: int = 1) -> list[int]:
     """The most token rows each level but the bottom scores in one call (target first): a level scores the
-    draft the level below hands up, plus one. The bottom hands up at most k; a middle level with threshold t
+    draft the level below hands up, plus one. The bottom hands up at most k (a tree: k * tree_width nodes, of
+    which a path of at most k is kept); a middle level with threshold t
     stops once it holds t tokens, after a round of at most (the hand-up below) + 1, so it hands up at most
     t + (the hand-up below). Compiled steps should cover these sizes, or such calls run padded to the prefill
     chunk (docs/history.md: a 1.5B target's 10-row verifications padded to 64 rows)."""
@@ -199,7 +225,9 @@ def scored_rows(k: int, thresholds: Sequence[int] | None, n_levels: int) -> list
     for t in reversed(ts):  # middle levels, bottom-most first
         rows.append(up + 1)
         up += t
-    return [up + 1, *reversed(rows)]
+    rows = [up + 1, *reversed(rows)]
+    rows[-1] = k * tree_width + 1  # the level above the bottom
+    return rows
 
 
 def check_k(k: int) -> None:

@@ -22,7 +22,7 @@ from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 
 
 def build_ngram(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
-    return NGramLevel(max_ngram=spec.max_ngram, name=spec.name)
+    return NGramLevel(max_ngram=spec.max_ngram, name=spec.name, tree_width=spec.tree_width)
 
 
 def build_eagle(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:

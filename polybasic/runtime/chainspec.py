@@ -6,7 +6,7 @@ A `ChainSpec` is a tuple of `LevelSpec`s (the target itself is implicit, on top)
 None of them imports torch or loads a model; `runtime.chain_builder.build_chain` turns a spec into levels.
 
 The spelling is '+'-separated levels, top to bottom, optionally after 'target+'; each level kind
-(LEVEL_KINDS: eagle:PATH, ngram[:N], PATH.safetensors[@KERNEL], target@DTYPE, SOURCE[@DTYPE], tried in this order)
+(LEVEL_KINDS: eagle:PATH, ngram[:N][/W], PATH.safetensors[@KERNEL], target@DTYPE, SOURCE[@DTYPE], tried in this order)
 parses its own form, and CHAIN_FORMS lists them for help texts. Example: 'target@bfloat16+ngram'.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ class LevelSpec:
     path: str = ""  # quantized: the copy's .safetensors; eagle: the head's .safetensors
     kernel: str = ""  # quantized: run with this kernel (config.KERNELS) instead of the recorded ones ('')
     max_ngram: int = 3  # ngram: longest n-gram looked up in the context
+    tree_width: int = 1  # ngram: leaves of the token tree it drafts (1: a path; runtime.tree_verify)
     name: str = ""  # default: the canonical spelling
 
     def __post_init__(self) -> None:
@@ -127,17 +128,22 @@ def _with_dtype(text: str) -> tuple[str, str]:
 
 
 def _parse_ngram(item: str) -> LevelSpec | None:
-    if item != "ngram" and not item.startswith("ngram:"):
+    head, slash, width = item.partition("/")
+    if head != "ngram" and not head.startswith("ngram:"):
         return None
-    n = item.partition(":")[2] or "3"
+    n = head.partition(":")[2] or "3"
     if not n.isdigit():
         raise ConfigError(f"'{item}' needs an integer n-gram size, e.g. ngram:3")
-    return LevelSpec("ngram", max_ngram=int(n), name=item)
+    if slash and not width.isdigit():
+        raise ConfigError(f"'{item}' needs an integer tree width after '/', e.g. ngram:3/4 (trees of 4 leaves)")
+    return LevelSpec("ngram", max_ngram=int(n), tree_width=int(width) if slash else 1, name=item)
 
 
 def _validate_ngram(spec: LevelSpec) -> None:
     if not (isinstance(spec.max_ngram, int) and spec.max_ngram >= 1):
         raise ConfigError(f"'ngram': max_ngram must be an integer >= 1, got {spec.max_ngram!r}; e.g. ngram:3")
+    if not (isinstance(spec.tree_width, int) and spec.tree_width >= 1):
+        raise ConfigError(f"'ngram': tree_width must be an integer >= 1, got {spec.tree_width!r}; e.g. ngram:3/4")
 
 
 def _parse_eagle(item: str) -> LevelSpec | None:
@@ -204,9 +210,10 @@ LEVEL_KINDS: dict[str, LevelKind] = {k.name: k for k in [
               "an EAGLE drafter head (`polybasic distill`), drafting on the features of the model "
               "level right above it", ("path",), _parse_eagle, lambda s: f"eagle:{s.path}",
               _needs_path, _check_head, "polybasic.runtime.chain_builder:build_eagle", drafts_on_features=True),
-    LevelKind("ngram", "ngram[:N]", "ngram:3", "prompt lookup: proposes what followed the longest "
-              "matching n-gram (N at most, default 3) of the context", ("max_ngram",), _parse_ngram,
-              lambda s: f"ngram:{s.max_ngram}", _validate_ngram, builder="polybasic.runtime.chain_builder:build_ngram"),
+    LevelKind("ngram", "ngram[:N][/W]", "ngram:3/4", "prompt lookup: proposes what followed the longest "
+              "matching n-gram (N at most, default 3) of the context; /W: a token tree of what followed its "
+              "W best matches", ("max_ngram", "tree_width"), _parse_ngram,
+              lambda s: f"ngram:{s.max_ngram}" + (f"/{s.tree_width}" if s.tree_width > 1 else ""), _validate_ngram, builder="polybasic.runtime.chain_builder:build_ngram"),
     LevelKind("quantized", "PATH.safetensors[@KERNEL]", "runs/smollm2-cpu/model.safetensors@w4a8",
               "a quantized copy of the target written by `polybasic quantize`, in its recorded kernels or "
               "another (w4a8: int8 activations, CPUs with AVX-512 VNNI)", ("path", "kernel"), _parse_quantized,

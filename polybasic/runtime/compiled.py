@@ -47,11 +47,13 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
         lvl.head.setup_caches(max_len + 1)
     # each model's cache size classes, max_len's first (caches that only grow stay in it)
     classes = [(m, n) for m in models for n in m.cache_classes([max_len, *sorted(set(lengths))])]
-    progress.total = sum(len(m.warm_calls(decode)) for m, _ in classes) + sum(
+    trees = {id(lvl.model) for lvl, below in zip(levels, levels[1:])  # the levels that verify token trees
+             if isinstance(lvl, ModelLevel) and below.tree_width > 1}
+    progress.total = sum(len(m.warm_calls(decode, id(m) in trees)) for m, _ in classes) + sum(
         len(lvl.head._static.sizes) * len(_widths(lvl)) for lvl in heads)
     for m, n in classes:
         m.setup_caches(n)
-        m.warm_steps(decode)
+        m.warm_steps(decode, id(m) in trees)
     for m in models:
         m.setup_caches(max_len)  # the caches end in max_len's class
     for lvl in heads:

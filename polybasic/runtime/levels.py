@@ -7,6 +7,8 @@ remembers which tokens its KV cache holds and reuses the longest prefix shared w
   processed distributions at the len(draft) draft positions and one past them, [len(draft)+1, V].
 - propose(context, k): k tokens drafted autoregressively, with the distributions they were
   sampled from, [k, V].
+Token trees (runtime.tree_verify): a bottom level with a tree_width > 1 drafts a tree with propose_tree, and the
+level above scores it in one forward with score_tree, then keeps the verified path's cache rows with keep_path.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from polybasic.config import SamplingConfig
 from polybasic.errors import check
+from polybasic.models import tree as token_tree
 from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES
 from polybasic.runtime.sampling import probs_from_logits, sample
 
@@ -36,6 +39,7 @@ class Level:
     name: str = "level"
     vocab_size: int | None = None
     can_score: bool = False
+    tree_width: int = 1  # > 1: drafts token trees of up to this many leaves (propose_tree)
     tokenizer = None
 
     def __init__(self) -> None:
@@ -74,6 +78,16 @@ class Level:
         """Up to k tokens after context, with the distributions they were drawn from [len, V]. A level
         that can tell its confidence (ModelLevel, EagleLevel) stops after a token it gave less than min_confidence."""
         raise NotImplementedError
+
+    def room(self, context: list[int]) -> int:
+        """How many draft rows score(context, ...) can take in one forward (a tree's rows; unbounded: huge)."""
+        return 1 << 30
+
+    def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int]
+                     ) -> tuple[list[int], list[int], Tensor]:
+        """A token tree after context, at most k deep with at most `width` leaves: (tokens [N], parents [N], -1 for
+        the context's children; the distributions each node was drawn from [N, V]; see runtime.tree_verify)."""
+        raise NotImplementedError(f"level '{self.name}' cannot draft token trees")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -125,27 +139,33 @@ class ModelLevel(Level):
         return True
 
     @torch.inference_mode()
-    def score(self, context: list[int], draft: list[int], sampling: SamplingConfig) -> Tensor:
+    def score(self, context: list[int], draft: list[int], sampling: SamplingConfig,
+              parents: list[int] | None = None) -> Tensor:
+        """parents: the draft is a token tree (models.tree, -1 for the context's children); the rows returned are
+        then the distributions after the context and after each node [N+1, V], and keep_path must follow."""
         t0 = time.perf_counter()
         seq = context + draft
-        # reuse the cached prefix shared with this context, but always feed >= 1 context token so
-        # the logits at the last context position (predicting draft[0]) are produced
-        start = min(common_prefix(self.cached, context), len(context) - 1)
+        start = self._start(context)
         c = self.counters
         dev = self.model.device
-        if start == 0 and draft and getattr(self.model, "dtype", None) in ROW_INVARIANT_DTYPES:
+        if start == 0 and draft and (parents is not None or getattr(self.model, "dtype", None) in ROW_INVARIANT_DTYPES):
             # bf16/fp16: prefill the context alone, as vanilla decoding does, so its cached rows have
-            # vanilla's exact bits (a prefill's rows change with its length in reduced precision)
+            # vanilla's exact bits (a prefill's rows change with its length in reduced precision); a tree after
+            # the prompt too (a tree call is one compiled step)
             pre_logits, pre_hidden = self.model(torch.tensor([context], dtype=torch.long, device=dev), 0,
                                                 last_only=True)  # [1, 1, V]
-            logits, hidden = self.model(torch.tensor([draft], dtype=torch.long, device=dev), len(context))
+            logits, hidden = self.model(torch.tensor([draft], dtype=torch.long, device=dev), len(context),
+                                        **_tree(parents))
             logits = torch.cat((pre_logits, logits), dim=1)  # [1, len(draft)+1, V]
             hidden = torch.cat((pre_hidden, hidden), dim=1)  # [1, len(seq), E]
             c.forwards += 1  # the extra forward is the prefill vanilla decoding runs too
         else:  # the LM head runs on the rows whose distributions are returned only (a prefill's last)
+            fed = len(context) - start  # context rows of the call, then the draft's
+            rows = None if parents is None else list(range(-1, fed - 1)) + [fed - 1 if a < 0 else fed + a
+                                                                          for a in parents]
             logits, hidden = self.model(torch.tensor([seq[start:]], dtype=torch.long, device=dev), start,
-                                        tail=len(draft) + 1)  # [1, len(draft)+1, V], [1, M, E]
-        self.cached = seq
+                                        tail=len(draft) + 1, **_tree(rows))  # [1, len(draft)+1, V], [1, M, E]
+        self.cached = seq if parents is None else list(context)  # a tree's nodes: see keep_path
         self.hidden, self.hidden_start = hidden[0], start
         self.logits = logits[0, -(len(draft) + 1):]  # [len(draft)+1, V] (confidence)
         probs = probs_from_logits(self.logits, sampling)  # [len(draft)+1, V]
@@ -153,6 +173,32 @@ class ModelLevel(Level):
         c.tokens_fed += len(seq) - start
         c.time_s += time.perf_counter() - t0
         return probs
+
+    def room(self, context: list[int]) -> int:
+        """The cache's rows after context, and a compiled step's rows less the context rows fed with the draft."""
+        rows = self.model.max_seq_len - len(context)
+        step = getattr(self.model, "max_step_rows", None)
+        if step is not None:
+            start = self._start(context)
+            rows = min(rows, step - (0 if start == 0 else len(context) - start))  # score's prefill goes apart
+        return max(0, rows)
+
+    def _start(self, context: list[int]) -> int:
+        """The first context position score feeds: after the cached prefix shared with context, but always >= 1
+        context token so that the logits at the last context position (predicting draft[0]) are produced."""
+        return min(common_prefix(self.cached, context), len(context) - 1)
+
+    @torch.inference_mode()
+    def keep_path(self, context: list[int], draft: list[int], parents: list[int], path: list[int]) -> None:
+        """After score(context, draft, parents=...): keep the nodes `path` (root first) as the cached sequence after
+        context, their K/V moved in place (Transformer.keep_path) and their features as `hidden`'s last rows."""
+        n = len(context)
+        self.model.keep_path(token_tree.path_slots(parents, path[-1] if path else -1, n), n)
+        if self.hidden is not None:
+            fed = n - self.hidden_start  # context rows the tree call fed
+            keep = list(range(fed)) + [fed + j for j in path]
+            self.hidden = self.hidden.index_select(0, torch.tensor(keep, device=self.hidden.device))
+        self.cached = list(context) + [draft[j] for j in path]
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, eos: frozenset[int],
@@ -167,6 +213,11 @@ class ModelLevel(Level):
             if tok in eos or self.unsure(0, tok, probs, sampling, min_confidence):
                 break
         return tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+
+
+def _tree(parents: list[int] | None) -> dict:
+    """A model call's keyword for a token tree's rows (none for an ordinary call)."""
+    return {} if parents is None else {"parents": parents}
 
 
 def kv_compatible(a, b) -> bool:
@@ -187,8 +238,12 @@ class NGramLevel(Level):
     distributions are one-hot and speculative sampling stays exact."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram",
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, tree_width: int = 1) -> None:
+        """tree_width: draft token trees of what followed up to this many matches (propose_tree); 1: paths."""
         super().__init__()
+        check(isinstance(tree_width, int) and tree_width >= 1, "tree_width", f"must be an integer >= 1, got "
+              f"{tree_width!r}", "1 drafts paths")
+        self.tree_width = tree_width
 
         check(min_ngram >= 1, "min_ngram", f"must be >= 1, got {min_ngram}", "use 1 or more")
         check(max_ngram >= min_ngram, "max_ngram", f"must be >= min_ngram ({min_ngram}), got {max_ngram}",
@@ -197,17 +252,45 @@ class NGramLevel(Level):
         self.device: torch.device | None = None  # where its one-hot rows are made (a Chain sets the target's)
 
     def lookup(self, context: list[int], k: int) -> list[int]:
+        """The continuation (at most k tokens) of the latest earlier occurrence of the longest matching n-gram."""
+        return next(iter(self.lookup_many(context, k, 1)), [])
+
+    def lookup_many(self, context: list[int], k: int, width: int) -> list[list[int]]:
+        """Up to `width` different continuations, best first: the longest n-grams' matches before shorter ones',
+        the latest first; one that only repeats the start of a better one is skipped."""
         ctx = np.asarray(context, dtype=np.int64)
-        n_ctx = len(ctx)
+        n_ctx, out = len(ctx), []
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
             tail = ctx[n_ctx - n:]
             windows = np.lib.stride_tricks.sliding_window_view(ctx[:n_ctx - 1], n)  # [n_ctx-n, n]
             hits = np.flatnonzero((windows == tail).all(axis=1))
-            hits = hits[hits + n < n_ctx]  # must have a continuation
-            if hits.size:
-                s = int(hits[-1]) + n
-                return ctx[s:s + k].tolist()
-        return []
+            for h in hits[hits + n < n_ctx][::-1]:  # those with a continuation, the latest first
+                cont = ctx[h + n:h + n + k].tolist()
+                if not any(c[:len(cont)] == cont for c in out):
+                    out.append(cont)
+                    if len(out) == width:
+                        return out
+        return out
+
+    def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int]
+                     ) -> tuple[list[int], list[int], Tensor]:
+        """The continuations of lookup_many merged into a tree (shared starts once), the best one first: its nodes
+        are 0..len-1, a path whose cache rows need no move when it is kept. One-hot distributions (deterministic)."""
+        t0 = time.perf_counter()
+        tokens, parents, node_of = [], [], {}  # node_of: (parent, token) -> node
+        for cont in self.lookup_many(context, k, width):
+            node = -1
+            for t in cont:
+                if (node, t) not in node_of:
+                    node_of[node, t] = len(tokens)
+                    tokens.append(t)
+                    parents.append(node)
+                node = node_of[node, t]
+                if t in eos:
+                    break
+        self.counters.forwards += 1
+        self.counters.time_s += time.perf_counter() - t0
+        return tokens, parents, self._one_hot(tokens)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, eos: frozenset[int],
@@ -218,9 +301,12 @@ class NGramLevel(Level):
             if t in eos:
                 tokens = tokens[:i + 1]
                 break
+        self.counters.forwards += 1
+        self.counters.time_s += time.perf_counter() - t0
+        return tokens, self._one_hot(tokens)
+
+    def _one_hot(self, tokens: list[int]) -> Tensor:
         q = torch.zeros(len(tokens), self.vocab_size, device=self.device)  # [len, V]
         if tokens:
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        self.counters.forwards += 1
-        self.counters.time_s += time.perf_counter() - t0
-        return tokens, q
+        return q

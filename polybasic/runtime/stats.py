@@ -12,11 +12,20 @@ class LinkStats:
     verifier: str
     drafter: str
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verification
-    drafted: list[int] = field(default_factory=list)  # draft length per verification
+    drafted: list[int] = field(default_factory=list)  # draft length (a tree: nodes) per verification
+    by_rank: dict[str, list[int]] = field(default_factory=dict)  # trees: "depth:rank" -> [accepted, tried]
 
     def record(self, n_accepted: int, n_drafted: int) -> None:
         self.accepted.append(n_accepted)
         self.drafted.append(n_drafted)
+
+    def record_ranks(self, trials: list[tuple[int, int, bool]]) -> None:
+        """A tree verification's tries (runtime.tree_verify.rank_trials): the rate of rank r at depth d is the
+        probability that the verifier's token is the r-th candidate there, given ranks below r were not."""
+        for depth, rank, accepted in trials:
+            cell = self.by_rank.setdefault(f"{depth}:{rank}", [0, 0])
+            cell[0] += accepted
+            cell[1] += 1
 
     def summary(self) -> dict:
         """Accepted length = accepted drafts + the corrected/bonus token (tokens per verification)."""
@@ -31,7 +40,8 @@ class LinkStats:
         return {"verifier": self.verifier, "drafter": self.drafter, "verifications": n,
                 "mean_accepted_length": mean, "var_accepted_length": var,
                 "histogram": dict(sorted(hist.items())),
-                "draft_acceptance_rate": sum(self.accepted) / drafted if drafted else None}
+                "draft_acceptance_rate": sum(self.accepted) / drafted if drafted else None,
+                **({"by_rank": dict(sorted(self.by_rank.items()))} if self.by_rank else {})}
 
 
 @dataclass

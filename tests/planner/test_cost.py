@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from polybasic.config import SamplingConfig
+from polybasic.errors import ConfigError
 from polybasic.planner.cost import ChainConfig, chunk, predict, predict_lemma, round_tokens
 from polybasic.planner.profile import CostCurve, LevelProfile, PairProfile, Profile
+from polybasic.planner.search import plan
 from polybasic.planner.theory import lemma_3_1, phi
 from polybasic.runtime.chain import Chain
 from polybasic.runtime.levels import ModelLevel
@@ -125,3 +127,18 @@ def test_schedule_matches_runtime_counters(k, thresholds):
         fwd = got["forwards"] - (1 if got["name"] != names[0] else 0)  # the drafters' prompt prefill
         assert fwd / len(tokens) == pytest.approx(want.forwards_per_token, rel=0.05), got["name"]
         assert (got["tokens_fed"] - 1) / got["forwards"] == pytest.approx(want.mean_tokens_per_forward, rel=0.05)
+
+
+def test_a_tree_link_is_priced_at_its_size_with_its_measured_lengths():
+    tree = PairProfile("t", "ng/3", k=2, verifications=100, mean_accepted_length=1.7, rate=0.3,
+                       histogram={1: 50, 2: 30, 3: 20}, tree_width=3, sizes={3: 1, 6: 1}, by_rank={"0:0": [40, 100]})
+    prof = Profile("t", [LevelProfile("t", "model", curve([10, 12, 14, 16, 18, 20, 22], decode_ms=10)),
+                         LevelProfile("ng/3", "ngram", curve([1, 1]))], [tree])
+    pred = predict(prof, ChainConfig(("t", "ng/3"), k=2))
+    # tokens per verification as measured (tau 1.7); the target scores 3 or 6 nodes + 1 row: (T(4) + T(7)) / 2
+    assert pred.tau == pytest.approx(1.7, rel=1e-12) and tree.nodes == 4.5
+    assert pred.ms_per_token == pytest.approx(((16 + 22) / 2 + 1) / 1.7, rel=1e-12)
+    with pytest.raises(ConfigError, match="measured at k = 2"):
+        predict(prof, ChainConfig(("t", "ng/3"), k=3))
+    assert [r.k for r in plan(prof).rows] == [2]  # trees are planned at their profiled k only
+    assert Profile.from_dict(prof.to_dict()).pairs[0] == tree

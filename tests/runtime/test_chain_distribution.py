@@ -45,10 +45,10 @@ def world(device):
     return make_world("llama", device)
 
 
-def exact_joint(hf, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """First-token distribution [V] and 3-token joint distribution [V, V, V] of the target."""
+def exact_joint(hf, sampling: SamplingConfig, prompt=tuple(PROMPT)) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-token distribution [V] and 3-token joint distribution [V, V, V] of the target after `prompt`."""
     with torch.no_grad():
-        base = torch.tensor([PROMPT])
+        base = torch.tensor([list(prompt)])
         p1 = probs_from_logits(hf(base).logits[0, -1], sampling).double()  # [V]
         pairs = torch.tensor(list(itertools.product(range(V), repeat=1)))  # [V, 1]
         ctx2 = torch.cat([base.expand(V, -1), pairs], 1)  # [V, P+1]

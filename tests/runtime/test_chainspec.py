@@ -44,7 +44,7 @@ def test_dict_round_trip_and_form():
     assert d["version"] == 1 and d["levels"][0] == {"kind": "target", "dtype": "bf16", "name": "target@bf16"}
     assert d["levels"][3] == {"kind": "model", "source": "smollm2-135m", "dtype": "float32",
                               "name": "smollm2-135m"}
-    assert d["levels"][4] == {"kind": "ngram", "max_ngram": 3, "name": "ngram"}
+    assert d["levels"][4] == {"kind": "ngram", "max_ngram": 3, "tree_width": 1, "name": "ngram"}
     assert LevelSpec("ngram", max_ngram=4).name == "ngram:4"  # a spec built in code gets its spelling
     assert ChainSpec.from_dict({"levels": [{"kind": "eagle", "path": "h.safetensors"}]}).spelling == \
         "eagle:h.safetensors"

@@ -1,0 +1,296 @@
+"""Token trees: a level scores a drafted tree in one forward (models.tree), keeps the verified path
+(runtime.tree_verify), and a chain with trees stays lossless: greedy output equals the target's greedy decoding
+on 2, 3 and 4 levels, eager and compiled; sampled output follows the target's distribution (chi-square, first
+token and 3-token sequences, T = 1 and T = 0.7 with top-p), and the tree rule itself samples exactly from p for
+drafts made without replacement, while a wrong rule (accept every child) is rejected by the same test."""
+import pytest
+import torch
+
+from polybasic.config import SamplingConfig
+from polybasic.errors import ConfigError
+from polybasic.models import bf16_rows
+from polybasic.models import tree as trees
+from polybasic.planner.measure import pair_acceptance
+from polybasic.runtime import tree_verify
+from polybasic.runtime.chain import Chain, scored_rows
+from polybasic.runtime.chainspec import LevelSpec, parse_chain_spec
+from polybasic.runtime.compiled import compile_levels
+from polybasic.runtime.generate import generate_tokens
+from polybasic.runtime.levels import ModelLevel, NGramLevel
+from polybasic.runtime.stats import ChainStats, LinkStats
+from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf
+from tests.runtime.test_chain_distribution import N, P_MIN, SAMPLINGS, V, exact_joint, make_world
+from tests.stat_utils import chain_sample_counts, chi_square_pvalue
+
+TREE_PROMPT = [3, 7, 2, 3, 5, 3, 7, 9, 3]  # "3" continues three ways: the n-gram level drafts branches
+KW = dict(vocab=96, hidden=128, layers=2, heads=4, kv_heads=2, init_std=0.2)  # head size 32: the bf16 row kernel runs
+TREE = dict(parents=[-1, 0, 1, 0, -1, 4, 2], tokens=[5, 6, 7, 8, 9, 10, 11])  # two roots, branches at 0 and 1
+
+
+def test_layout_of_a_path_is_the_ordinary_call():
+    pos, anc = trees.layout([-1, 0, 1, 2], start=10)
+    assert pos.tolist() == [10, 11, 12, 13]
+    assert anc.tolist() == [[7, 8, 9, 10], [8, 9, 10, 11], [9, 10, 11, 12], [10, 11, 12, 13]]
+    assert torch.equal(trees.visible(pos, anc, 16), torch.ones(16, 16, dtype=torch.bool).tril()[10:14])
+
+
+def test_layout_of_a_tree():
+    pos, anc = trees.layout(TREE["parents"], start=20, width=4)
+    assert pos.tolist() == [20, 21, 22, 21, 20, 21, 23]
+    assert anc[6].tolist() == [20, 21, 22, 26]  # node 6: 0 -> 1 -> 2 -> itself
+    assert anc[3].tolist() == [18, 19, 20, 23]  # node 3: the prefix, 0, itself
+    assert anc[5].tolist() == [18, 19, 24, 25]
+    seen = trees.visible(pos, anc, 30)
+    assert seen[5].nonzero().flatten().tolist() == list(range(20)) + [24, 25]
+    assert trees.path_slots(TREE["parents"], 6, 20) == [20, 21, 22, 26]
+    assert trees.pad([-1, -1], 4) == [-1, -1, 1, 2]
+    with pytest.raises(ConfigError, match=r"parents\[1\]"):
+        trees.depths([-1, 1])
+
+
+def test_scored_rows_count_the_tree():
+    assert scored_rows(4, None, 2, tree_width=3) == [13]
+    assert scored_rows(4, [6], 3, tree_width=3) == [11, 13]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf("llama", seed=0, **KW)
+
+
+KERNELS = [(torch.float32, None), (torch.bfloat16, "onednn"), (torch.bfloat16, "bf16_rows")]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype, kernel", KERNELS, ids=["fp32", "bf16-onednn", "bf16-rows"])
+def test_a_tree_call_scores_every_path_as_a_path_call_does(hf, dtype, kernel):
+    """After a prompt, each root-to-node path of a tree call gets the logits a call of that path alone gets
+    (bit-equal in bf16, whose attention runs each row over its own keys: the row kernel through the tree's
+    ancestor map, or one row at a time), and keep_path leaves the cache as that path's call would."""
+    if kernel == "bf16_rows" and not bf16_rows.status()[0]:
+        pytest.skip(f"the bf16_rows kernel cannot run here: {bf16_rows.status()[1]}")
+    model = lean_from_hf(hf, dtype)
+    if kernel:
+        bf16_rows.bind(model, kernel)
+    ctx = list(range(2, 14))
+    model.setup_caches(64)
+    model(torch.tensor([ctx]), 0)
+    tree_logits = model(torch.tensor([TREE["tokens"]]), 12, parents=TREE["parents"])[0][0]  # [7, V]
+    same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    for leaf in (2, 3, 5, 6):
+        nodes = [s - 12 for s in trees.path_slots(TREE["parents"], leaf, 12)]
+        ref, _ = model(torch.tensor([[TREE["tokens"][j] for j in nodes]]), 12)
+        assert same(tree_logits[nodes], ref[0]), f"path to node {leaf}"
+    level = ModelLevel(model)
+    level.start(64)
+    p = level.score(ctx, TREE["tokens"], SamplingConfig(), parents=TREE["parents"])  # [8, V]
+    level.keep_path(ctx, TREE["tokens"], TREE["parents"], [4, 5])
+    assert level.cached == ctx + [9, 10] and p.shape[0] == 8
+    nxt = level.score(ctx + [9, 10, 3], [], SamplingConfig())  # reads the moved rows
+    fresh = lean_from_hf(hf, dtype)
+    if kernel:
+        bf16_rows.bind(fresh, kernel)
+    ref = ModelLevel(fresh)
+    ref.start(64)
+    ref.score(ctx, [9, 10], SamplingConfig())
+    assert same(nxt, ref.score(ctx + [9, 10, 3], [], SamplingConfig()))
+
+
+def _counts(rule, p, q, tokens, n, seed=0):
+    """The next token's counts over n draws of `rule` at one node whose children are `tokens` drawn from q."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[1])
+    for _ in range(n):
+        path, nxt = rule(tokens, [-1] * len(tokens), q, p, False, g)
+        counts[tokens[path[0]] if path else nxt] += 1
+    return counts
+
+
+def _without_replacement(q: torch.Tensor, r: int, g: torch.Generator) -> tuple[list[int], torch.Tensor]:
+    """r distinct tokens drawn one after another from q [V] without replacement, and the distribution each was
+    drawn from [r, V]."""
+    tokens, rows, left = [], [], q.clone()
+    for _ in range(r):
+        rows.append(left / left.sum())
+        tokens.append(int(torch.multinomial(rows[-1], 1, generator=g)))
+        left[tokens[-1]] = 0
+    return tokens, torch.stack(rows)
+
+
+def test_the_tree_rule_samples_exactly_from_the_verifier():
+    """At one node with 3 children drafted without replacement, the emitted token follows p (chi-square over
+    drafts and coins), and accepting every child would not."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(12, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(12, generator=g) * 1.5, -1)
+    counts, wrong = torch.zeros(12), torch.zeros(12)
+    for i in range(4000):
+        tokens, rows = _without_replacement(q, 3, g)
+        counts += _counts(tree_verify.verify_tree, p[None].expand(4, -1), rows, tokens, 1, seed=i)
+        wrong[tokens[0]] += 1  # accept every child: the first child is always emitted
+    assert chi_square_pvalue(counts, p) > P_MIN
+    assert chi_square_pvalue(wrong, p) < P_MIN
+
+
+def test_greedy_tree_rule_keeps_the_argmax_path():
+    p = torch.zeros(8, 20)
+    for row, tok in enumerate([5, 6, 0, 0, 9, 0, 0, 13]):  # after the context: 5; after node 0: 6 ...
+        p[row, tok] = 1.0
+    tokens = [5, 6, 7, 8, 9, 10, 11]  # node 1 (6) is node 0's child; node 6 (11) node 1's, not the argmax 13
+    path, nxt = tree_verify.verify_tree(tokens, [-1, 0, 1, 0, -1, 4, 2], None, p, True)
+    assert (path, nxt) == ([0, 1], 0)  # after node 1 the argmax is p[2]'s 0: no child has it
+
+
+def build(models, names, k, width, thresholds=None):
+    levels = [ModelLevel(models["target"], "target")]
+    levels += [NGramLevel(max_ngram=2, tree_width=width) if n == "ngram" else ModelLevel(models[n], n) for n in names]
+    return Chain(levels, k=k, thresholds=thresholds or [k + 2] * (len(names) - 1), eos={1})
+
+
+CHAINS = {"n2": ["ngram"], "n3": ["close", "ngram"], "n4": ["close", "far", "ngram"]}
+
+
+def _models(hf, dtype=torch.float32):
+    """The target and two copies, on the device's kernels (bf16: the row kernels where they run, as
+    models.prepare binds them)."""
+    return {"target": _lean(hf, dtype), "close": _lean(perturbed_copy(hf, 0.02, seed=1), dtype),
+            "far": _lean(perturbed_copy(hf, 0.06, seed=2), dtype)}
+
+
+def _lean(hf, dtype):
+    model = lean_from_hf(hf, dtype)
+    bf16_rows.bind(model)
+    return model
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts with repeats of varied continuations, so the n-gram level finds several matches (trees)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 12, (24,), generator=g).tolist() for _ in range(n)]
+
+
+def _check_greedy(models, reference, names, compiled: bool):
+    branched = False
+    for k, width in ((3, 2), (4, 4)):
+        chain = build(models, names, k, width)
+        for prompt in _prompts(3, seed=k + width):
+            ref = list(generate_tokens(reference, prompt, 40, eos={1}))
+            out, stats = chain.generate(prompt, 40)
+            assert out == ref, f"{names} k={k} width={width} {'compiled' if compiled else 'eager'}"
+            branched |= max(stats.links[-1].drafted) > k  # some verification scored more nodes than a path
+    assert branched, "no tree with branches was verified"
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_tree_chains_equal_the_target(hf, chain, dtype):
+    models = _models(hf, dtype)
+    _check_greedy(models, models["target"], CHAINS[chain], compiled=False)
+
+
+@pytest.mark.parametrize("chain", ["n2", "n3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_greedy_tree_chains_equal_the_target(hf, chain, dtype):
+    models = _models(hf, dtype)
+    levels = build(models, CHAINS[chain], 4, 4).levels
+    compile_levels(levels, 128, sizes=(1, 4, 8, 16))
+    above = models[(["target"] + CHAINS[chain])[-2]]  # the level that verifies the trees
+    warm = above._static.compiles
+    _check_greedy(models, _lean(hf, dtype), CHAINS[chain], compiled=True)
+    assert any(key[-1] for key in above._static.seen), "no compiled tree step ran"
+    assert above._static.compiles == warm, "a tree step compiled after compile_levels warmed them"
+
+
+@pytest.mark.parametrize("sname", list(SAMPLINGS))
+@pytest.mark.parametrize("cname", ["n2", "n3"])
+def test_tree_chain_samples_match_target(cname, sname):
+    hf, models = make_world("llama")
+    names = {"n2": ["ngram"], "n3": ["mid", "ngram"]}[cname]
+    levels = [ModelLevel(models["target"], "target")]
+    levels += [NGramLevel(max_ngram=2, tree_width=3) if x == "ngram" else ModelLevel(models[x], x) for x in names]
+    chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1), share_prompt_kv=False)
+    branched = _count_branching(levels[-1])
+    first, seqs = chain_sample_counts(chain, TREE_PROMPT, SAMPLINGS[sname], seed=99, n=N, vocab=V)
+    p1, joint = exact_joint(hf, SAMPLINGS[sname], TREE_PROMPT)
+    assert chi_square_pvalue(first, p1) > P_MIN
+    assert chi_square_pvalue(seqs, joint) > P_MIN
+    assert branched[0] > N // 2  # most generations verified a tree with siblings
+
+
+def _count_branching(ngram: NGramLevel) -> list[int]:
+    """[trees with siblings that `ngram` drafts from now on] (a counter its propose_tree updates)."""
+    seen, propose = [0], ngram.propose_tree
+
+    def counted(*args):
+        tokens, parents, q = propose(*args)
+        seen[0] += len(set(parents)) < len(parents)
+        return tokens, parents, q
+    ngram.propose_tree = counted
+    return seen
+
+
+def test_compiled_tree_chain_samples_match_target(device):
+    """The compiled tree steps on every device (CUDA graphs on CUDA: gpu marker)."""
+    hf, _ = make_world("llama")
+    models = {"target": lean_from_hf(hf).to(device), "mid": lean_from_hf(perturbed_copy(hf, 0.3, seed=11)).to(device)}
+    levels = [ModelLevel(models["target"], "target"), ModelLevel(models["mid"], "mid"),
+              NGramLevel(max_ngram=2, tree_width=3)]
+    compile_levels(levels, 64, sizes=(1, 4, 8, 16))
+    chain = Chain(levels, k=3, thresholds=[2], share_prompt_kv=False)  # the first tree: after "3"
+    branched = _count_branching(levels[-1])
+    sampling = SAMPLINGS["t0.7-p0.9"]
+    first, seqs = chain_sample_counts(chain, TREE_PROMPT, sampling, seed=5, n=N, vocab=V)
+    p1, joint = exact_joint(hf, sampling, TREE_PROMPT)
+    assert chi_square_pvalue(first, p1) > P_MIN and chi_square_pvalue(seqs, joint) > P_MIN
+    assert branched[0] > N // 2
+
+
+def test_tree_widths_are_checked_and_spelled():
+    with pytest.raises(ConfigError, match="tree_width"):
+        NGramLevel(tree_width=0)
+    spec = parse_chain_spec("target@bfloat16+ngram:2/4").levels
+    assert spec[-1].tree_width == 4 and spec[-1].name == "ngram:2/4"
+    assert LevelSpec.from_dict(spec[-1].to_dict()) == spec[-1]
+    assert parse_chain_spec("ngram").levels[0].to_dict() == {"kind": "ngram", "max_ngram": 3, "tree_width": 1,
+                                                              "name": "ngram"}
+    with pytest.raises(ConfigError, match="tree width"):
+        parse_chain_spec("ngram:3/x")
+
+
+def test_ngram_trees_merge_shared_starts_best_first():
+    ngram = NGramLevel(max_ngram=2, vocab_size=20)
+    ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 6, 7, 1, 2]
+    assert ngram.lookup_many(ctx, 3, 4) == [[6, 7, 1], [3, 5, 9], [3, 4, 9]]
+    tokens, parents, q = ngram.propose_tree(ctx, 3, 4, frozenset())
+    assert tokens == [6, 7, 1, 3, 5, 9, 4, 9] and parents == [-1, 0, 1, -1, 3, 4, 3, 6]
+    assert torch.equal(q.argmax(-1), torch.tensor(tokens)) and ngram.lookup(ctx, 3) == [6, 7, 1]
+
+
+def test_probs_rows_handed_up_are_the_kept_path(hf):
+    """A middle level verifying a tree hands up its own distributions at the kept tokens' positions."""
+    models = _models(hf)
+    chain = build(models, ["close", "ngram"], 3, 3)
+    mid = chain.levels[1]
+    prompt = _prompts(1, seed=3)[0]
+    chain._k, chain.sampling, chain.generator = 3, SamplingConfig(), None
+    for lvl in chain.levels:
+        lvl.start(128)
+    chain.stats = ChainStats()
+    chain.stats.links = [LinkStats("a", "b"), LinkStats("b", "c")]
+    new, p = next(chain._rounds(1, prompt, 20))
+    ref = ModelLevel(lean_from_hf(perturbed_copy(hf, 0.02, seed=1)))
+    ref.start(128)
+    assert torch.allclose(p, ref.score(prompt, new[:-1], SamplingConfig()), atol=1e-5)
+
+
+def test_rank_trials_and_the_profile_of_a_tree_pair(hf):
+    parents = TREE["parents"]  # the context's children: 0, 4; node 0's: 1, 3; node 1's: 2
+    assert tree_verify.rank_trials(parents, [0, 3]) == [(0, 0, True), (1, 0, False), (1, 1, True)]
+    assert tree_verify.rank_trials(parents, []) == [(0, 0, False), (0, 1, False)]
+    models = _models(hf)
+    pair = pair_acceptance(ModelLevel(models["target"], "target"), NGramLevel(max_ngram=2, tree_width=3, name="ng/3"),
+                           _prompts(2, seed=1), k=3, max_new_tokens=24, eos={1})
+    assert pair.tree_width == 3 and pair.nodes > 0
+    assert pair.by_rank["0:0"][1] >= pair.by_rank.get("0:1", [0, 0])[1] > 0  # some trees branched; rank 1 is
+    # tried only after rank 0
+    assert sum(pair.histogram.values()) == pair.verifications
