@@ -334,7 +334,12 @@ def _chain(ctx: BenchContext, arg: str | None) -> Runner:
 
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
     levels = parse_chain(arg, target, flag=f"--methods chain:{arg}", cache=ctx.levels)
-    return _chain_runner(ctx, lambda: levels, ctx.thresholds)
+    return _chain_runner(ctx, lambda: levels, _thresholds(ctx, levels))
+
+
+def _thresholds(ctx: BenchContext, levels: list) -> list[int] | None:
+    """--thresholds for a chain of these levels: the first one per middle level (a two-level chain has none)."""
+    return None if ctx.thresholds is None else ctx.thresholds[:len(levels) - 2]
 
 
 def _compiled_target(ctx: BenchContext, method: str) -> LoadedModel:
@@ -369,8 +374,9 @@ def _chain_compiled(ctx: BenchContext, arg: str | None) -> Runner:
         confidence = d.draft_confidence
     else:
         levels = parse_chain(arg, target, flag=f"--methods {method}", cache=ctx.compiled_levels)
-        thresholds, k, adaptive, confidence = ctx.thresholds, None, None, 0.0
-    _compile_levels(ctx, levels, ctx.gguf, method, rows=scored_rows(k or ctx.draft_tokens, thresholds, len(levels)))
+        thresholds, k, adaptive, confidence = _thresholds(ctx, levels), None, None, 0.0
+    _compile_levels(ctx, levels, ctx.gguf, method, rows=scored_rows(k or ctx.draft_tokens, thresholds, len(levels),
+                                                                      levels[-1].tree_width))
     return _chain_runner(ctx, lambda: levels, thresholds, k, adaptive, confidence)
 
 
@@ -382,8 +388,9 @@ def _chain_drafts_compiled(ctx: BenchContext, arg: str | None) -> Runner:
     method = f"chain-drafts-compiled:{arg}"
     target = LoadedModel(ctx.model, ctx.tokenizer, ctx.model.args, ctx.source, None)
     levels = parse_chain(arg, target, flag=f"--methods {method}", cache=ctx.drafts_compiled_levels)
-    _compile_levels(ctx, levels[1:], None, method, rows=scored_rows(ctx.draft_tokens, ctx.thresholds, len(levels))[1:])
-    return _chain_runner(ctx, lambda: levels, ctx.thresholds)
+    _compile_levels(ctx, levels[1:], None, method, rows=scored_rows(ctx.draft_tokens, _thresholds(ctx, levels),
+                                                                    len(levels), levels[-1].tree_width)[1:])
+    return _chain_runner(ctx, lambda: levels, _thresholds(ctx, levels))
 
 
 # -- peers: llama.cpp on the target's own GGUF file (the optional extra [peers]), each in its own process ----

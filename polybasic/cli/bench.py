@@ -60,7 +60,8 @@ def add_parser(sub) -> None:
                         "layer (seconds); 'whole' one graph of the whole model per size (minutes, steps ~5%% faster)")
     p.add_argument("--thresholds", default=None, metavar="N,N",
                    help="chain:SPEC and chain-compiled:SPEC: how many tokens each middle level accumulates before "
-                        "handing them up, one per middle level (default: k + 1 each)")
+                        "handing them up, one per middle level, top first; a chain with fewer middle levels takes the "
+                        "first ones (default: k + 1 each)")
     p.add_argument("--adaptive-k", action="store_true",
                    help="our chains adapt the bottom level's draft length (1..k) to its acceptance")
     p.add_argument("--draft-confidence", type=float, default=None, metavar="P",
