@@ -28,13 +28,12 @@ import math
 import time
 
 import torch
-from torch import Tensor
 
 from polybasic.config import SamplingConfig
 from polybasic.planner.cost import ChainConfig, predict
 from polybasic.planner.profile import CostCurve, LevelProfile, PairProfile, Profile
 from polybasic.planner.theory import accepted_length_pmf
-from polybasic.runtime.levels import Level
+from polybasic.runtime.levels import Level, one_hot
 
 # real models' shapes (their config.json), random weights: speed does not depend on the values
 SHAPES = {
@@ -84,7 +83,7 @@ class OracleLevel(Level):
         tokens = [cands[0] for cands, _ in self._depths(context, k)]
         self.counters.forwards += 1
         self.counters.time_s += time.perf_counter() - t0
-        return tokens, self._one_hot(tokens)
+        return tokens, one_hot(tokens, self.vocab_size, self.device)
 
     def propose_tree(self, context, k, width, eos):
         """Each depth's candidates under the previous depth's true one (or its rank 0 where none was)."""
@@ -97,13 +96,7 @@ class OracleLevel(Level):
             above = first + (rank or 0)
         self.counters.forwards += 1
         self.counters.time_s += time.perf_counter() - t0
-        return tokens, parents, self._one_hot(tokens)
-
-    def _one_hot(self, tokens: list[int]) -> Tensor:
-        q = torch.zeros(len(tokens), self.vocab_size, device=self.device)
-        if tokens:
-            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return q
+        return tokens, parents, one_hot(tokens, self.vocab_size, self.device)
 
 
 def depth_rate(rates: list[float], width: int) -> float:

@@ -128,10 +128,13 @@ class Attention(nn.Module):
             # own key length, the same call), because SDPA's bits for a row change with the row count
             # and bf16 rounds those into different logits (see gguf_codes.project for the linears); a tree's
             # row reads its own keys (the prefix, its ancestors) gathered in logical order
-            keys = [torch.arange(start + i + 1, device=q.device) for i in range(m)] if tree is None else \
-                [_slots(p, a) for p, a in zip(tree[0].tolist(), tree[1])]
-            y = torch.cat([self._attend_one(q[:, :, i:i + 1], k.index_select(2, s), v.index_select(2, s))
-                           for i, s in enumerate(keys)], dim=2)  # [B, H, M, D]
+            if tree is None:  # row i's keys: the first start + i + 1 (views, no copy)
+                keys = [(k[:, :, :start + i + 1], v[:, :, :start + i + 1]) for i in range(m)]
+            else:
+                keys = [(k.index_select(2, s), v.index_select(2, s))
+                        for s in (_slots(p, a) for p, a in zip(tree[0].tolist(), tree[1]))]
+            y = torch.cat([self._attend_one(q[:, :, i:i + 1], ki, vi) for i, (ki, vi) in enumerate(keys)],
+                          dim=2)  # [B, H, M, D]
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m > 1 and mask is None,
                                                enable_gqa=h != g)  # [B, H, M, D]

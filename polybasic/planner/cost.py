@@ -12,8 +12,8 @@ measured-curve model (`predict`): mirrors the runtime's schedule (runtime/chain.
 - the target's rounds are the output; every verification also pays the pair's measured overhead.
 Each forward is priced with the level's profiled curve T_i(M), interpolated.
 A link whose drafter drafts token trees (PairProfile.tree_width > 1) is priced at M = tree size + 1 over its
-measured tree sizes and yields tokens per verification as its measured histogram (at the profiled k only: the tree's shape is measured,
-not modelled).
+measured tree sizes and yields tokens per verification as its measured histogram (at the profiled k only: the
+tree's shape is measured, not modelled).
 
 paper model (`predict_lemma`): Lemma 3.1 with constant T_i = T_i(1) (an n-gram proposal: T(k)), the
 same per-link mean accepted lengths, alpha = k (1 for an n-gram proposer).
@@ -159,7 +159,7 @@ def predict(profile: Profile, cfg: ChainConfig, new_tokens: int | None = None) -
     for i in range(n - 2, -1, -1):
         seen[i] = drafts
         per_round[i] = round_tokens(pairs[i].rate, drafts)
-        if pairs[i].tree_width > 1:  # a tree: measured tokens per verification, priced at its mean size
+        if pairs[i].tree_width > 1:  # a tree: measured tokens per verification, priced over its measured sizes
             check(cfg.k == pairs[i].k, "k", f"{cfg.k}: the tree pair {pairs[i].verifier} <- {pairs[i].drafter} was "
                   f"measured at k = {pairs[i].k} only", "plan trees at their profiled k (search.ks)")
             seen[i], per_round[i] = _normalised(pairs[i].sizes), _normalised(pairs[i].histogram)

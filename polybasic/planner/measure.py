@@ -20,7 +20,7 @@ from polybasic.runtime.context import timed
 from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 from polybasic.runtime.sampling import make_generator
-from polybasic.runtime.stats import LinkStats
+from polybasic.runtime.stats import LinkStats, counts
 
 
 def medians_ms(fns: Sequence[Callable[[], object]], device: torch.device | str = "cpu", reps: int = 10,
@@ -154,9 +154,7 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
         skip = 1 if st.prompt_shared else 0  # the token the target committed from its prefill: no draft
         link.accepted += st.links[0].accepted[skip:]
         link.drafted += st.links[0].drafted[skip:]
-        for key, (acc, tried) in st.links[0].by_rank.items():
-            cell = link.by_rank.setdefault(key, [0, 0])
-            cell[0], cell[1] = cell[0] + acc, cell[1] + tried
+        link.add_ranks(st.links[0].by_rank)
         inner += st.links[0].drafted[skip:-1]
         outside_s += st.wall_s - sum(lv["time_s"] for lv in st.levels)
     s = link.summary()
@@ -169,16 +167,9 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
     else:  # no full-length draft (an n-gram proposer that rarely finds k tokens): the mean draft length
         rate = acceptance_rate(s["mean_accepted_length"], drafted) if drafted > 0 else 0.0
     fill = min(1.0, sum(inner) / len(inner) / k) if level_kind(drafter) == "ngram" and inner else 1.0
-    sizes = _counts(link.drafted) if drafter.tree_width > 1 else {}
+    sizes = counts(link.drafted) if drafter.tree_width > 1 else {}
     return PairProfile(verifier.name, drafter.name, k, n, s["mean_accepted_length"], rate, fill, s["histogram"],
                        max(0.0, outside_s) * 1e3 / n, drafter.tree_width, sizes, s.get("by_rank", {}))
-
-
-def _counts(values: Sequence[int]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return dict(sorted(out.items()))
 
 
 def build_profile(levels: Sequence[Level], pairs: Sequence[tuple[Level, Level]], prompts: Sequence[list[int]],

@@ -8,7 +8,7 @@ remembers which tokens its KV cache holds and reuses the longest prefix shared w
 - propose(context, k): k tokens drafted autoregressively, with the distributions they were
   sampled from, [k, V].
 Token trees (runtime.tree_verify): a bottom level with a tree_width > 1 drafts a tree with propose_tree, and the
-level above scores it in one forward with score_tree, then keeps the verified path's cache rows with keep_path.
+level above scores it in one forward (score with parents), then keeps the verified path's cache rows with keep_path.
 """
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ class NGramLevel(Level):
                     break
         self.counters.forwards += 1
         self.counters.time_s += time.perf_counter() - t0
-        return tokens, parents, self._one_hot(tokens)
+        return tokens, parents, one_hot(tokens, self.vocab_size, self.device)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, eos: frozenset[int],
@@ -303,10 +303,12 @@ class NGramLevel(Level):
                 break
         self.counters.forwards += 1
         self.counters.time_s += time.perf_counter() - t0
-        return tokens, self._one_hot(tokens)
+        return tokens, one_hot(tokens, self.vocab_size, self.device)
 
-    def _one_hot(self, tokens: list[int]) -> Tensor:
-        q = torch.zeros(len(tokens), self.vocab_size, device=self.device)  # [len, V]
-        if tokens:
-            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return q
+
+def one_hot(tokens: list[int], vocab_size: int, device=None) -> Tensor:
+    """The distributions of deterministic drafts: one row per token, all its mass on it [len, V]."""
+    q = torch.zeros(len(tokens), vocab_size, device=device)  # [len, V]
+    if tokens:
+        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return q

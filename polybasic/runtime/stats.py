@@ -22,10 +22,14 @@ class LinkStats:
     def record_ranks(self, trials: list[tuple[int, int, bool]]) -> None:
         """A tree verification's tries (runtime.tree_verify.rank_trials): the rate of rank r at depth d is the
         probability that the verifier's token is the r-th candidate there, given ranks below r were not."""
-        for depth, rank, accepted in trials:
-            cell = self.by_rank.setdefault(f"{depth}:{rank}", [0, 0])
+        self.add_ranks({f"{depth}:{rank}": [int(accepted), 1] for depth, rank, accepted in trials})
+
+    def add_ranks(self, by_rank: dict[str, list[int]]) -> None:
+        """Add another link's (or verification's) by_rank counts to this one's."""
+        for key, (accepted, tried) in by_rank.items():
+            cell = self.by_rank.setdefault(key, [0, 0])
             cell[0] += accepted
-            cell[1] += 1
+            cell[1] += tried
 
     def summary(self) -> dict:
         """Accepted length = accepted drafts + the corrected/bonus token (tokens per verification)."""
@@ -33,13 +37,10 @@ class LinkStats:
         n = len(lengths)
         mean = sum(lengths) / n if n else 0.0
         var = sum((x - mean) ** 2 for x in lengths) / n if n else 0.0
-        hist: dict[int, int] = {}
-        for x in lengths:
-            hist[x] = hist.get(x, 0) + 1
         drafted = sum(self.drafted)
         return {"verifier": self.verifier, "drafter": self.drafter, "verifications": n,
                 "mean_accepted_length": mean, "var_accepted_length": var,
-                "histogram": dict(sorted(hist.items())),
+                "histogram": counts(lengths),
                 "draft_acceptance_rate": sum(self.accepted) / drafted if drafted else None,
                 **({"by_rank": dict(sorted(self.by_rank.items()))} if self.by_rank else {})}
 
@@ -72,3 +73,11 @@ class ChainStats:
                 "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "tau": self.tau,
                 "stop_reason": self.stop_reason, "prompt_shared": self.prompt_shared, "levels": self.levels,
                 "links": [link.summary() for link in self.links]}
+
+
+def counts(values) -> dict[int, int]:
+    """value -> how many times it occurs, sorted by value."""
+    out: dict[int, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))

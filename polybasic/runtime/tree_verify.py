@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from polybasic.runtime.sampling import sample
+from polybasic.runtime.verify import residual
 
 
 def children(parents: list[int]) -> dict[int, list[int]]:
@@ -67,9 +68,7 @@ def verify_tree(tokens: list[int], parents: list[int], q: Tensor, p: Tensor, gre
                 if u * float(q[j, x]) < float(r[x]):  # accept with probability min(1, r(x) / q(x))
                     nxt = j
                     break
-                r = (r - q[j].to(r.device)).clamp_min_(0)  # the residual
-                total = r.sum()
-                r = r / total if total > 0 else row
+                r = residual(r, q[j], row)
             if nxt is None:
                 return path, int(sample(r, generator))
         path.append(nxt)

@@ -39,10 +39,12 @@ def speculative_verify(draft: Tensor, q: Tensor, p: Tensor, greedy: bool,
         n = int(rejected[0]) if rejected.numel() else k
     else:
         n = 0
-    if n < k:
-        residual = (p[n] - q[n]).clamp_min_(0)  # [V]
-        total = residual.sum()
-        dist = residual / total if total > 0 else p[n]
-    else:
-        dist = p[k]
-    return n, int(sample(dist, generator))
+    return n, int(sample(residual(p[n], q[n]) if n < k else p[k], generator))
+
+
+def residual(p: Tensor, q: Tensor, fallback: Tensor | None = None) -> Tensor:
+    """After a rejection: norm(max(0, p - q)) [V], the distribution the corrected token is drawn from; `fallback`
+    (default p) where p - q is nowhere positive (a rejection then had probability 0, up to rounding)."""
+    r = (p - q.to(p.device)).clamp_min_(0)  # [V]
+    total = r.sum()
+    return r / total if total > 0 else (p if fallback is None else fallback)
