@@ -93,6 +93,8 @@ class Transformer(nn.Module):
     def _allocate(self, rows: int, batch: int) -> None:
         """KV caches [B, G, rows, D], RoPE tables [rows, 1, D] and the causal mask [rows, rows]."""
         dev, dt = self.device, self.dtype
+        if self._static is not None:
+            self._static.forget()  # its straight calls hold the caches replaced here
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(batch, self.args.n_kv_heads, rows, self.args.head_dim, dt, dev)
         cos, sin = rope_tables(self.args, rows, dev)  # [S, D]
@@ -118,6 +120,8 @@ class Transformer(nn.Module):
         """Shrink the KV caches to the batch rows `rows` [B'] (the next calls pass B' sequences)."""
         for layer in self.layers:
             layer.attention.kv_cache.keep(rows)
+        if self._static is not None:
+            self._static.forget()  # its straight calls hold the caches it replaced
 
     def compile_steps(self, gguf: str | Path | None = None, options: dict | None = None, sizes=None,
                       notify=None, regions: bool = True) -> int:

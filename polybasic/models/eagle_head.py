@@ -227,6 +227,8 @@ class EagleHead(nn.Module):
 
     def _set_caches(self, make) -> None:
         """Give every block its own cache, `make()`."""
+        if getattr(self, "_static", None) is not None:
+            self._static.forget()  # its straight calls hold the caches replaced here
         for block in self.layers:
             block.attention.kv_cache = make()
 
@@ -264,6 +266,8 @@ class EagleHead(nn.Module):
             raise ConfigError(f"drafter: head vocabulary {self.cfg.vocab_size} does not match the base "
                               f"model's {base.args.vocab_size}; use a drafter trained on this base model")
         base.use_feature_layers(self.cfg.feature_layers)
+        if getattr(self, "base", None) is not base and getattr(self, "_static", None) is not None:
+            self._static.forget()  # its straight calls hold the base's tensors the head reads
         object.__setattr__(self, "base", base)
         return self
 

@@ -19,7 +19,9 @@ Regions (the CPU): a step can instead run its own code eagerly and compile only 
 through `region` (a decoder layer: one graph per size, which every layer of the model runs, instead of one graph of
 all the layers). A 1.5B model's step then compiles in ~3-6 s a size instead of ~40-75 s on 2 cores, and a process
 that finds the graphs in inductor's cache traces one layer, not 28; each layer's call costs ~30-40 us of Python and
-dispatch (guards skipped), ~4-6% of a 1.5B or 0.5B W4 model's step (docs/results.md).
+dispatch with dynamo's guards skipped, ~4-6% of a 1.5B or 0.5B W4 model's step, until two calls of a key have shown
+that its compiled code can be called straight (GraphCall): then about what a whole-model graph's step costs
+(docs/results.md).
 """
 from __future__ import annotations
 
@@ -106,6 +108,7 @@ class StaticSteps:
     """
 
     skip_guards = True  # a key's calls after its guards passed once skip them (unguarded); False: every call checks
+    skip_wrappers = True  # then, once two calls agree, call inductor's compiled code straight (GraphCall; not CUDA)
 
     def __init__(self, fn: Callable, name: str, sizes=None, device: torch.device | None = None,
                  options: dict | None = None, notify: Callable[[str], None] | None = None,
@@ -126,6 +129,8 @@ class StaticSteps:
         self.compiled = {name: compile_(f) for name, f in (self.regions or {}).items()}
         self.direct: dict = {}  # (key, grad mode, inference mode) -> unguarded(...) or None (see _call)
         self.guarded: set = set()  # the states (see _call) called through dynamo's guards so far
+        self.straight: dict = {}  # state -> GraphCall, or None where the compiled code cannot be called straight
+        self.probes: dict = {}  # state -> the first recorded call of its unguarded code (see _call)
         self.notify = notify or log.info
         # whether the caches take each request's size class, smaller ones too (Transformer.setup_caches): on
         # the CPU a step's attention over rows it never reads costs more than compiling the class (a 1.5B W4
@@ -206,12 +211,30 @@ class StaticSteps:
         `index` the caller (e.g. a layer), whose own guards are checked once before its calls skip them."""
         return self._call((name, key, index), self.compiled[name], self.regions[name], args)
 
+    def forget(self) -> None:
+        """Drop the straight calls (GraphCall): they hold the tensors the model had (its caches, once reallocated,
+        are others). The model calls this whenever it replaces a tensor its steps read."""
+        self.straight.clear()
+        self.probes.clear()
+
     def _call(self, key, compiled: Callable, raw: Callable, args: tuple):
-        """compiled(*args); a key's calls after its guards passed once skip them (unguarded)."""
+        """compiled(*args); a key's calls after its guards passed once skip them (unguarded), and after two of
+        those were recorded alike, dynamo's and AOT autograd's Python wrappers too (GraphCall)."""
         state = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        straight = self.straight.get(state) if self.skip_wrappers else None
+        if straight is not None:
+            return straight(args)
         direct = self.direct.get(state) if self.skip_guards else None
         if direct is not None:  # the compiled code of this key, its guards passed once (unguarded)
-            return direct(*args)
+            if not self.skip_wrappers or self.mode is not None or state in self.straight:
+                return direct(*args)
+            out, record = recorded(direct, args)  # the wrappers' inputs and outputs of the compiled code
+            first = self.probes.pop(state, None)
+            if first is None:
+                self.probes[state] = record
+            else:
+                self.straight[state] = GraphCall.of(first, record) if record is not None else None
+            return out
         out = compiled(*args)
         if self.skip_guards and state not in self.direct:
             if state in self.guarded:  # its second call: torch's cache holds the code its guards pass
@@ -246,6 +269,82 @@ def unguarded(fn: Callable, args: tuple) -> Callable | None:
     except (AttributeError, TypeError, RuntimeError):  # another torch's cache entries: stay guarded
         return None
     return None
+
+
+def _tensors(args) -> list[Tensor]:
+    """The tensors of args, those inside tuples too, in order."""
+    out = []
+    for a in args:
+        out += [t for t in a if isinstance(t, Tensor)] if isinstance(a, tuple) else [a] if isinstance(a, Tensor) else []
+    return out
+
+
+def recorded(fn: Callable, args: tuple) -> tuple:
+    """fn(*args) -> (its output, the record of the one compiled graph it ran: (graph, its inputs, its outputs, args,
+    output)), the record None where it ran no inductor graph or several, or torch lacks the internals."""
+    try:
+        from torch._inductor.output_code import CompiledFxGraph  # torch internals: else no record
+    except ImportError:
+        return fn(*args), None
+    calls, call = [], CompiledFxGraph.__call__
+
+    def record(graph, inputs):
+        seen = list(inputs)  # the compiled code empties the list it is given
+        res = call(graph, inputs)
+        calls.append((graph, seen, res))
+        return res
+    CompiledFxGraph.__call__ = record
+    try:
+        out = fn(*args)
+    finally:
+        CompiledFxGraph.__call__ = call
+    return out, ((*calls[0], args, out) if len(calls) == 1 else None)
+
+
+class GraphCall:
+    """A step's (or region's) compiled code called straight: inductor's callable on the inputs its wrappers gave it,
+    the call's own tensors put in their places. Dynamo's bytecode (which reads every weight and cache tensor off the
+    modules at each call) and AOT autograd's runtime wrappers cost a 2-core AMD EPYC ~30-40 us a call: ~4% of a
+    1.5B `@w4a8` step run as 28 layer regions, which this removes (docs/results.md).
+
+    Built from two recorded calls (`recorded`) of a key's unguarded code, only where they show it safe: every input
+    of the compiled code is either one of the call's own tensors (by identity) or the same tensor in both calls (a
+    weight, a cache), and its outputs are exactly what the step returned (no mutation or alias the wrappers apply
+    after the graph). The tensors it holds are the model's of that moment: StaticSteps.forget drops it."""
+
+    def __init__(self, fn: Callable, template: list, slots: list[tuple[int, int]], single: bool) -> None:
+        self.fn, self.template, self.slots, self.single = fn, template, slots, single
+
+    @classmethod
+    def of(cls, first: tuple, second: tuple) -> "GraphCall | None":
+        """From two records of one key's calls, or None where they do not show the call safe (see the class)."""
+        (graph, in1, _, args1, _), (graph2, in2, res, args2, out) = first, second
+        fn = getattr(graph, "current_callable", None)
+        if graph is not graph2 or fn is None or len(in1) != len(in2) or not isinstance(res, (list, tuple)):
+            return None
+        own1, own2 = _tensors(args1), _tensors(args2)
+        where = {id(t): i for i, t in enumerate(own2)}
+        slots = []
+        for j, (a, b) in enumerate(zip(in1, in2)):
+            i = where.get(id(b))
+            if i is not None and i < len(own1) and a is own1[i]:
+                slots.append((j, i))
+            elif a is not b or id(a) in {id(t) for t in own1}:
+                return None  # neither the call's own tensor nor one both calls share
+        outs = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, tuple) else None
+        if outs is None or len(outs) != len(res) or any(o is not r for o, r in zip(outs, res)):
+            return None
+        template = list(in2)
+        for j, _ in slots:
+            template[j] = None  # filled per call; the template holds no call's tensors
+        return cls(fn, template, slots, isinstance(out, Tensor))
+
+    def __call__(self, args: tuple):
+        own, inputs = _tensors(args), list(self.template)
+        for j, i in self.slots:
+            inputs[j] = own[i]
+        res = self.fn(inputs)
+        return res[0] if self.single else tuple(res)
 
 
 def positions(start: int, n: int, device) -> Tensor:

@@ -267,6 +267,48 @@ def test_seen_steps_skip_their_guards_and_stay_exact(hf):
     else:
         steps.fn = None
     assert all(torch.equal(x, y) for x, y in zip(run(), guarded))
+    assert all(torch.equal(x, y) for x, y in zip(run(), guarded))  # by now called straight (GraphCall)
+    assert any(f is not None for f in steps.straight.values()), "no step was called straight"
     with torch.no_grad(), pytest.raises(TypeError):  # another grad mode: guarded again (here: no step)
         comp(ids[:, 20:21], 20)
     steps.compiled, steps.fn = compiled
+
+
+def test_straight_calls_decode_exactly_and_are_dropped_with_the_caches():
+    """Steps called straight (models.static.GraphCall: inductor's code on the tensors its wrappers gave it) write
+    the KV cache as the wrapped calls do: greedy decoding at new positions equals eager decoding's, also after the
+    caches are reallocated for another size class (which drops the straight calls that held the old caches)."""
+    hf = tiny_hf_llama(seed=0, max_pos=1024, **KW)
+    eager, comp = lean_from_hf(hf), lean_from_hf(hf)
+    compile_levels([ModelLevel(comp)], 300, sizes=SIZES, lengths=[40, 290])
+    steps = comp._static
+    for n in (20, 270, 20):  # 256-, 512-, then 256-row caches again
+        prompt = [2 + (7 * i) % 90 for i in range(n)]
+        assert list(generate_tokens(comp, prompt, 16)) == list(generate_tokens(eager, prompt, 16))
+        assert any(f is not None for f in steps.straight.values()), "no step was called straight"
+        caches = {id(layer.attention.kv_cache.k) for layer in comp.layers}
+        held = {id(t) for f in steps.straight.values() if f is not None for t in f.template if t is not None}
+        assert caches <= held  # the straight calls hold today's caches, not the ones reallocated before them
+
+
+def test_a_graph_call_is_made_only_from_calls_that_show_it_safe():
+    """GraphCall.of takes two records (graph, its inputs, its outputs, the call's args, the call's output): an
+    input neither one of the call's own tensors nor shared by both calls, or outputs other than the call's, refuse."""
+    from polybasic.models.static import GraphCall
+
+    class Graph:
+        def current_callable(self, inputs):
+            x, w = inputs
+            return [x * w]
+    g, w = Graph(), torch.tensor([2.0])
+    a1, a2 = torch.tensor([1.0]), torch.tensor([3.0])
+    o1, o2 = a1 * w, a2 * w
+    call = GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (g, [a2, w], [o2], (None, a2), o2))
+    assert call is not None and torch.equal(call((None, torch.tensor([5.0]))), torch.tensor([10.0]))
+    assert call.template[0] is None and call.template[1] is w  # it holds no call's own tensor
+    copy2 = a2.clone()  # a wrapper fed the graph a copy of the argument: not its own tensor, not shared
+    assert GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (g, [copy2, w], [o2], (None, a2), o2)) is None
+    assert GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (g, [a2, w.clone()], [o2], (None, a2), o2)) is None
+    assert GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (g, [a2, w], [o2, w], (None, a2), o2)) is None
+    assert GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (g, [a2, w], [o2.clone()], (None, a2), o2)) is None
+    assert GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (Graph(), [a2, w], [o2], (None, a2), o2)) is None
