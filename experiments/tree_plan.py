@@ -1,4 +1,4 @@
-"""What the planner predicts for n-gram token trees against n-gram paths, from a profile of this machine: the target's
+"""What the planner predicts for token trees against paths, from a profile of this machine: the target's
 compiled T(M), each pair's acceptance on held-out prompts (the shipped Alpaca set's last records, never a
 benchmark's), the chains ranked as the plan stage ranks them.
 
@@ -6,8 +6,10 @@ benchmark's), the chains ranked as the plan stage ranks them.
         --widths 1,2,4 --k 4 --threshold 4 --prompts 8
 
 Levels: the target (compiled steps, as `chain-compiled` runs it), optionally a middle level (a chain spelling of one
-level, compiled too), and one n-gram level per width (`ngram:3` for 1, `ngram:3/W` above). Pairs: the target over
-every n-gram level; with a middle level, the target over it and it over every n-gram level. Prints each level's
+level, compiled too), one n-gram level per width (`ngram:3` for 1, `ngram:3/W` above), and --drafters: other bottom
+levels by their chain spelling (e.g. a model's path and its trees, `runs/qwen05/model.safetensors@w4a8` and
+`runs/qwen05/model.safetensors@w4a8#2`), each under the target alone. Pairs: the target over every n-gram level and
+every drafter; with a middle level, the target over it and it over every n-gram level. Prints each level's
 T(M), each pair's tokens per verification (and mean tree size, rank rates), and the plan: every chain at k (tree
 pairs are measured at k only) with its predicted tau and speedup over plain decoding; --json writes it all.
 """
@@ -37,6 +39,8 @@ def main(argv=None) -> None:
     p.add_argument("--middle", default=None,
                    help="a middle level's chain spelling, e.g. runs/qwen05/model.safetensors@w4a8")
     p.add_argument("--widths", default="1,2,4")
+    p.add_argument("--drafters", default="", help="comma-separated bottom levels under the target alone, by their "
+                   "chain spelling (LEVEL#W: a tree of W candidates per depth)")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threshold", type=int, default=4, help="the middle level's threshold")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts: the last records of alpaca-1000")
@@ -47,16 +51,20 @@ def main(argv=None) -> None:
     lm = load_any_model(a.model, a.dtype, "cpu")
     target = ModelLevel(lm.model, "target", lm.tokenizer)
     ngrams = [NGramLevel(3, name="ngram:3" + (f"/{w}" if w > 1 else ""), tree_width=w) for w in widths]
-    middle = parse_chain(a.middle, lm)[1] if a.middle else None
+    built = {"target": target}  # chain_builder's cache: the target level once
+    middle = parse_chain(a.middle, lm, cache=built)[1] if a.middle else None
+    drafters = [parse_chain(d, lm, cache=built)[1] for d in a.drafters.split(",") if d]
     models = [target] + ([middle] if middle else [])
     rows = scored_rows(a.k, [a.threshold] if middle else None, len(models) + 1, max(widths))
-    rows[0] = max(rows[0], a.k * max(widths) + 1)  # the target verifies n-gram trees too
-    compile_levels(models + [ngrams[-1]], 512, lm.gguf_file if lm.model.dtype == torch.float32 else None, rows=rows,
-                   notify=print)
+    widest = max([*widths, *(d.tree_width for d in drafters)])
+    rows[0] = max(rows[0], a.k * widest + 1)  # the target verifies the widest tree too
+    compile_levels(models + [ngrams[-1]] + drafters, 512, lm.gguf_file if lm.model.dtype == torch.float32 else None,
+                   rows=rows, notify=print)
     target.model.warm_steps(trees=True)
     prompts = [encode_prompt(lm.tokenizer, q) for q, _ in load_pairs(ALPACA)[-a.prompts:]]
-    pairs = [(target, n) for n in ngrams] + ([(target, middle)] + [(middle, n) for n in ngrams] if middle else [])
-    profile = build_profile(models + ngrams, pairs, prompts, a.k, context=256, reps=5,
+    pairs = [(target, n) for n in ngrams + drafters]
+    pairs += [(target, middle)] + [(middle, n) for n in ngrams] if middle else []
+    profile = build_profile(models + ngrams + drafters, pairs, prompts, a.k, context=256, reps=5,
                             max_new_tokens=a.max_new_tokens, eos=eos_ids(lm.tokenizer))
     for lv in profile.levels:
         print(f"T(M) {lv.name}: " + ", ".join(f"{m}: {t:.1f}" for m, t in zip(lv.cost.tokens, lv.cost.time_ms)) + " ms")

@@ -41,8 +41,9 @@ class Chain:
         probability below this (Level.confidence; 0: the bottom always drafts k tokens and a middle level
         hands up once it holds its threshold), so that k and the thresholds can be long where drafts are
         sure and short where they are not. Lossless: it depends only on the drafting level's own outputs.
-        A bottom level with a tree_width > 1 drafts token trees of that many leaves (k deep), which the level above
-        verifies in one forward (runtime.tree_verify)."""
+        A bottom level with a tree_width > 1 drafts token trees (k deep; an n-gram level that many leaves, a model or
+        EAGLE level that many candidates per depth), which the level above verifies in one forward
+        (runtime.tree_verify)."""
         levels = list(levels)
         check(len(levels) >= 2, "levels", f"a chain needs at least 2 levels, got {len(levels)}",
               "pass [target, drafter, ...]")
@@ -58,6 +59,8 @@ class Chain:
         for lvl in levels[:-1]:
             check(lvl.can_score, f"level '{lvl.name}'", "cannot verify (it only proposes)",
                   "place it at the bottom of the chain")
+            check(lvl.tree_width == 1, f"level '{lvl.name}'", f"drafts token trees ({lvl.tree_width} wide) but "
+                  "is not the chain's bottom level; only the bottom level drafts trees", "give it width 1")
         vocab = levels[0].vocab_size
         device = getattr(getattr(levels[0], "model", None), "device", None)
         for lvl in levels[1:]:
@@ -182,8 +185,8 @@ class Chain:
         -> (nodes kept, next token, the kept path's tokens, lvl's distributions after the context and after each
         kept node [kept+1, V], nodes drafted, whether the path ended at a leaf)."""
         bottom = self.levels[-1]
-        tokens, parents, q = bottom.propose_tree(context, min(self._k, cap), self.tree_width, self.eos) \
-            if cap > 0 else ([], [], None)
+        tokens, parents, q = bottom.propose_tree(context, min(self._k, cap), self.tree_width, self.eos,
+                                                 self.sampling, self.generator) if cap > 0 else ([], [], None)
         room = lvl.room(context)  # the tree's rows must fit one forward: drop the last nodes (leaves first)
         tokens, parents = tokens[:room], parents[:room]
         p = lvl.score(context, tokens, self.sampling, parents=parents)  # [N+1, V]

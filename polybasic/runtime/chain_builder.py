@@ -83,6 +83,7 @@ def build_chain(spec: ChainSpec, target: LoadedModel, device: str | torch.device
         if key not in cache:
             with named(f"{flag}: level '{lv.name}'"):
                 cache[key] = load_entry(LEVEL_KINDS[lv.kind].builder)(lv, target, levels[-1], device)
+                cache[key].tree_width = lv.tree_width  # as the bottom level: token trees (Level.propose_tree)
         levels.append(cache[key])
     return levels
 

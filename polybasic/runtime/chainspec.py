@@ -7,14 +7,15 @@ None of them imports torch or loads a model; `runtime.chain_builder.build_chain`
 
 The spelling is '+'-separated levels, top to bottom, optionally after 'target+'; each level kind
 (LEVEL_KINDS: eagle:PATH, ngram[:N][/W], PATH.safetensors[@KERNEL], target@DTYPE, SOURCE[@DTYPE], tried in this order)
-parses its own form, and CHAIN_FORMS lists them for help texts. Example: 'target@bfloat16+ngram'.
+parses its own form, and CHAIN_FORMS lists them for help texts. Example: 'target@bfloat16+ngram'. A drafting level
+(every kind but ngram) spelled LEVEL#W drafts token trees of W candidates per depth as the chain's bottom level.
 """
 from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from polybasic.config import KERNELS, check_dtype
@@ -35,20 +36,25 @@ class LevelSpec:
     path: str = ""  # quantized: the copy's .safetensors; eagle: the head's .safetensors
     kernel: str = ""  # quantized: run with this kernel (config.KERNELS) instead of the recorded ones ('')
     max_ngram: int = 3  # ngram: longest n-gram looked up in the context
-    tree_width: int = 1  # ngram: leaves of the token tree it drafts (1: a path; runtime.tree_verify)
+    tree_width: int = 1  # as the bottom level, draft token trees (1: paths; runtime.tree_verify): ngram, of this
+    # many leaves (its best matches); a drafting model or head, of this many candidates per depth (spelled LEVEL#W)
     name: str = ""  # default: the canonical spelling
 
     def __post_init__(self) -> None:
         if self.kind not in LEVEL_KINDS:
             raise ConfigError(f"kind: unknown level kind '{self.kind}'; use one of {', '.join(LEVEL_KINDS)}")
+        if isinstance(self.tree_width, bool) or not (isinstance(self.tree_width, int) and self.tree_width >= 1):
+            raise ConfigError(f"'{self.kind}': tree_width must be an integer >= 1, got {self.tree_width!r}; "
+                              "e.g. ngram:3/4 or runs/copy/model.safetensors#2")
         LEVEL_KINDS[self.kind].validate(self)
         if not self.name:
-            object.__setattr__(self, "name", LEVEL_KINDS[self.kind].spell(self))
+            object.__setattr__(self, "name", LEVEL_KINDS[self.kind].spell(self) + _width_suffix(self))
 
     def to_dict(self) -> dict:
-        """{'kind', the kind's own fields, 'name'}: JSON-able."""
+        """{'kind', the kind's own fields (and a tree width above 1), 'name'}: JSON-able."""
         d = asdict(self)
-        return {"kind": self.kind, **{f: d[f] for f in LEVEL_KINDS[self.kind].fields}, "name": self.name}
+        width = {"tree_width": self.tree_width} if _width_suffix(self) else {}
+        return {"kind": self.kind, **{f: d[f] for f in LEVEL_KINDS[self.kind].fields}, **width, "name": self.name}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LevelSpec":
@@ -57,7 +63,7 @@ class LevelSpec:
         kind = d.get("kind")
         if kind not in LEVEL_KINDS:
             raise ConfigError(f"kind: unknown level kind {kind!r}; use one of {', '.join(LEVEL_KINDS)}")
-        unknown = set(d) - {"kind", "name", *LEVEL_KINDS[kind].fields}
+        unknown = set(d) - {"kind", "name", "tree_width", *LEVEL_KINDS[kind].fields}
         if unknown:
             raise ConfigError(f"'{kind}' level: unknown fields {sorted(unknown)}; a '{kind}' level has "
                               f"{', '.join(LEVEL_KINDS[kind].fields) or 'no fields'}")
@@ -125,6 +131,11 @@ def _with_dtype(text: str) -> tuple[str, str]:
     if not at or "/" in dtype:
         return text, "float32"
     return source, check_dtype(dtype, "dtype")
+
+
+def _width_suffix(spec: LevelSpec) -> str:
+    """'#W' for a tree width above 1 of a kind that does not spell it itself (every kind but ngram), else ''."""
+    return f"#{spec.tree_width}" if spec.tree_width > 1 and "tree_width" not in LEVEL_KINDS[spec.kind].fields else ""
 
 
 def _parse_ngram(item: str) -> LevelSpec | None:
@@ -234,7 +245,9 @@ CHAIN_FORMS = "\n".join(textwrap.fill(f"{k.form:<17} {k.summary}; e.g. {k.exampl
                                       subsequent_indent=" " * 20) for k in LEVEL_KINDS.values())
 CHAIN_HELP = ("A chain is the levels below the target, top to bottom, '+'-separated (optionally\n"
               "after 'target+'); each level is one of:\n" + CHAIN_FORMS +
-              "\nExample: target@bfloat16+ngram (the target <- its bf16 copy <- prompt lookup)")
+              "\nA bottom level spelled LEVEL#W (any kind but ngram, whose /W counts leaves) drafts token trees of W\n"
+              "candidates per depth, verified in one forward. "
+              "Example: target@bfloat16+ngram (the target <- its bf16 copy <- prompt lookup)")
 
 
 @contextmanager
@@ -251,6 +264,15 @@ def parse_level_spec(item: str) -> LevelSpec:
     item = item.strip()
     if not item:
         raise ConfigError("empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
+    base, hash_, width = item.rpartition("#")
+    if hash_:  # LEVEL#W: a drafting level's token trees, W candidates per depth
+        if not width.isdigit() or not base:
+            raise ConfigError(f"'{item}' needs an integer tree width after '#', e.g. "
+                              "runs/copy/model.safetensors#2 (its path and 1 more candidate per depth)")
+        spec = parse_level_spec(base)
+        if spec.kind == "ngram":
+            raise ConfigError(f"'{item}': an n-gram level spells its tree width after '/', e.g. ngram:3/4")
+        return replace(spec, tree_width=int(width), name=item)
     for kind in LEVEL_KINDS.values():
         spec = kind.parse(item)
         if spec is not None:

@@ -21,13 +21,15 @@ from torch import Tensor
 
 from polybasic.config import SamplingConfig
 from polybasic.models.eagle_head import EagleHead
-from polybasic.runtime.levels import Level, ModelLevel, common_prefix
+from polybasic.runtime.levels import Level, ModelLevel, check_tree_width, common_prefix
 from polybasic.runtime.sampling import probs_from_logits, sample
 
 
 class EagleLevel(Level):
-    def __init__(self, head: EagleHead, base_level: ModelLevel, name: str = "eagle") -> None:
+    def __init__(self, head: EagleHead, base_level: ModelLevel, name: str = "eagle", tree_width: int = 1) -> None:
+        """tree_width: draft token trees of this many candidates per depth (Level.propose_tree); 1: paths."""
         super().__init__()
+        self.tree_width = check_tree_width(tree_width)
         if head.base is None:
             head.bind(base_level.model)
         self.head, self.base, self.name = head.eval(), base_level, name
@@ -72,10 +74,14 @@ class EagleLevel(Level):
         self.counters.tokens_fed += len(toks)
         return out
 
-    @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, eos: frozenset[int],
                 min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
+        return self.draft(context, k, sampling, generator, eos, min_confidence)[:2]
+
+    @torch.inference_mode()
+    def draft(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None,
+              eos: frozenset[int], min_confidence: float = 0.0) -> tuple[list[int], Tensor, Tensor]:
         self._absorb()
         if not common_prefix(self.ftoks, context):  # no features yet: the base prefills the prompt
             self.base.cached = []  # recompute from position 0 (its cache may hold the prompt already)
@@ -100,10 +106,12 @@ class EagleLevel(Level):
             probs = self._probs(self.feats[0], sampling, self.head.base_logits)
         tokens: list[int] = []
         rows: list[Tensor] = []
+        raw: list[Tensor] = []  # the head's logits of each draft token [V'] (Level.propose_tree ranks by them)
         for i in range(k):
             tok = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
             tokens.append(tok)
             rows.append(probs)
+            raw.append(self.logits[0])
             if tok in eos or i == k - 1 or self.unsure(0, tok, probs, sampling, min_confidence):
                 break
             p = n - 1 + i  # the row reading the token just drafted
@@ -113,7 +121,7 @@ class EagleLevel(Level):
             self.keys.append((tok, exact))
             probs = self._probs(out, sampling)
         self.counters.time_s += time.perf_counter() - t0
-        return tokens, torch.stack(rows)
+        return tokens, torch.stack(rows), torch.stack(raw)
 
     def _probs(self, hidden: Tensor, sampling: SamplingConfig, head=None) -> Tensor:
         """Head features [E] -> the full-vocabulary distribution [V] a draft token is sampled from (through

@@ -83,10 +83,20 @@ class Level:
         """How many draft rows score(context, ...) can take in one forward (a tree's rows; unbounded: huge)."""
         return 1 << 30
 
-    def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int]
+    def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int],
+                     sampling: SamplingConfig = SamplingConfig(), generator: torch.Generator | None = None
                      ) -> tuple[list[int], list[int], Tensor]:
-        """A token tree after context, at most k deep with at most `width` leaves: (tokens [N], parents [N], -1 for
-        the context's children; the distributions each node was drawn from [N, V]; see runtime.tree_verify)."""
+        """A token tree after context, at most k deep: (tokens [N], parents [N], -1 for the context's children; the
+        distributions each node was drawn from [N, V]; see runtime.tree_verify). A drafting level's (this base):
+        its path (propose), and at each depth up to width-1 more candidates for that position as leaves
+        (path_with_siblings); nodes 0..len(path)-1 are the path, whose cache rows need no move when it is kept."""
+        tokens, q, logits = self.draft(context, k, sampling, generator, eos)
+        return path_with_siblings(tokens, q, logits, width, sampling.greedy, generator, self.full)
+
+    def draft(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None,
+              eos: frozenset[int], min_confidence: float = 0.0) -> tuple[list[int], Tensor, Tensor]:
+        """propose's tokens [n] and distributions [n, V], and the raw logits each was drawn from [n, V'] (a level
+        that drafts from logits: ModelLevel, EagleLevel)."""
         raise NotImplementedError(f"level '{self.name}' cannot draft token trees")
 
 
@@ -106,9 +116,12 @@ class ModelLevel(Level):
 
     can_score = True
 
-    def __init__(self, model, name: str = "model", tokenizer=None) -> None:
+    def __init__(self, model, name: str = "model", tokenizer=None, tree_width: int = 1) -> None:
+        """tree_width: as a chain's bottom level, draft token trees of this many candidates per depth (its path and
+        the next best tokens; Level.propose_tree); 1: paths."""
         super().__init__()
         self.model, self.name, self.tokenizer = model, name, tokenizer
+        self.tree_width = check_tree_width(tree_width)
         self.vocab_size = model.args.vocab_size
         self.max_seq_len = model.args.max_seq_len
         self.cached: list[int] = []  # tokens whose K/V sit in the cache, positions 0..len-1
@@ -203,16 +216,24 @@ class ModelLevel(Level):
     def propose(self, context: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, eos: frozenset[int],
                 min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
+        return self.draft(context, k, sampling, generator, eos, min_confidence)[:2]
+
+    def draft(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None,
+              eos: frozenset[int], min_confidence: float = 0.0) -> tuple[list[int], Tensor, Tensor]:
         tokens: list[int] = []
         rows: list[Tensor] = []
+        raw: list[Tensor] = []
         for _ in range(k):
             probs = self.score(context + tokens, [], sampling)[0]  # [V]
             tok = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
             tokens.append(tok)
             rows.append(probs)
+            raw.append(self.logits[0])
             if tok in eos or self.unsure(0, tok, probs, sampling, min_confidence):
                 break
-        return tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+        if not rows:
+            return tokens, torch.empty(0, self.vocab_size), torch.empty(0, self.vocab_size)
+        return tokens, torch.stack(rows), torch.stack(raw)
 
 
 def _tree(parents: list[int] | None) -> dict:
@@ -241,9 +262,7 @@ class NGramLevel(Level):
                  vocab_size: int | None = None, tree_width: int = 1) -> None:
         """tree_width: draft token trees of what followed up to this many matches (propose_tree); 1: paths."""
         super().__init__()
-        check(isinstance(tree_width, int) and tree_width >= 1, "tree_width", f"must be an integer >= 1, got "
-              f"{tree_width!r}", "1 drafts paths")
-        self.tree_width = tree_width
+        self.tree_width = check_tree_width(tree_width)
 
         check(min_ngram >= 1, "min_ngram", f"must be >= 1, got {min_ngram}", "use 1 or more")
         check(max_ngram >= min_ngram, "max_ngram", f"must be >= min_ngram ({min_ngram}), got {max_ngram}",
@@ -272,7 +291,8 @@ class NGramLevel(Level):
                         return out
         return out
 
-    def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int]
+    def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int],
+                     sampling: SamplingConfig | None = None, generator: torch.Generator | None = None
                      ) -> tuple[list[int], list[int], Tensor]:
         """The continuations of lookup_many merged into a tree (shared starts once), the best one first: its nodes
         are 0..len-1, a path whose cache rows need no move when it is kept. One-hot distributions (deterministic)."""
@@ -312,3 +332,36 @@ def one_hot(tokens: list[int], vocab_size: int, device=None) -> Tensor:
     if tokens:
         q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
     return q
+
+
+def check_tree_width(width) -> int:
+    """A level's tree_width, or a ConfigError naming the field."""
+    check(isinstance(width, int) and not isinstance(width, bool) and width >= 1, "tree_width",
+          f"must be an integer >= 1, got {width!r}", "1 drafts paths")
+    return width
+
+
+def path_with_siblings(tokens: list[int], q: Tensor, logits: Tensor, width: int, greedy: bool,
+                       generator: torch.Generator | None, full=lambda p: p) -> tuple[list[int], list[int], Tensor]:
+    """A drafted path, tokens [n] drawn one after another from q [n, V] (its raw logits [n, V']: `full` maps their
+    softmax to the target's vocabulary), as a token tree with up to width-1 siblings of each path token: leaves
+    that try other tokens for that position. Greedy: the next best tokens by the logits, one-hot (deterministic
+    picks). Sampling: draws from q[d] without replacement after the path's token, each with the distribution it
+    was drawn from given the earlier ones (q[d] less them, renormalized), as runtime.tree_verify's rule needs.
+    -> (tokens [N], parents [N]: the path's nodes 0..n-1 first, then the siblings; distributions [N, V])."""
+    n = len(tokens)
+    out, parents, rows = list(tokens), list(range(-1, n - 1)), [q]
+    for d in range(n if width > 1 else 0):
+        left = full(torch.softmax(logits[d].float(), -1)).to(q) if greedy else q[d].clone()  # [V]
+        left[tokens[d]] = 0
+        for _ in range(width - 1):
+            z = float(left.sum())
+            if z <= 0:  # nothing else has mass (a top-p cut, or a reduced draft vocabulary)
+                break
+            tok = int(left.argmax()) if greedy else int(sample(left / z, generator))
+            row = one_hot([tok], q.shape[1], q.device)[0] if greedy else left / z  # [V]
+            out.append(tok)
+            parents.append(d - 1)
+            rows.append(row[None])
+            left[tok] = 0
+    return out, parents, torch.cat(rows)

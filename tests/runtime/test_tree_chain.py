@@ -16,10 +16,12 @@ from polybasic.runtime.chain import Chain, scored_rows
 from polybasic.runtime.chainspec import LevelSpec, parse_chain_spec
 from polybasic.runtime.compiled import compile_levels
 from polybasic.runtime.generate import generate_tokens
-from polybasic.runtime.levels import ModelLevel, NGramLevel
+from polybasic.runtime.eagle_level import EagleLevel
+from polybasic.runtime.levels import ModelLevel, NGramLevel, path_with_siblings
 from polybasic.runtime.stats import ChainStats, LinkStats
 from tests.helpers import lean_from_hf, perturbed_copy, tiny_hf
 from tests.runtime.test_chain_distribution import N, P_MIN, SAMPLINGS, V, exact_joint, make_world
+from tests.runtime.test_compiled_chain import head_on
 from tests.stat_utils import chain_sample_counts, chi_square_pvalue
 
 TREE_PROMPT = [3, 7, 2, 3, 5, 3, 7, 9, 3]  # "3" continues three ways: the n-gram level drafts branches
@@ -142,19 +144,31 @@ def test_greedy_tree_rule_keeps_the_argmax_path():
 
 
 def build(models, names, k, width, thresholds=None):
+    """The target over `names` (top to bottom), the bottom one drafting trees `width` wide (an n-gram level's leaves,
+    a model's candidates per depth, an EAGLE head's: 'eagle' drafts on the level above it)."""
     levels = [ModelLevel(models["target"], "target")]
-    levels += [NGramLevel(max_ngram=2, tree_width=width) if n == "ngram" else ModelLevel(models[n], n) for n in names]
+    for i, n in enumerate(names):
+        w = width if i == len(names) - 1 else 1
+        if n == "ngram":
+            levels.append(NGramLevel(max_ngram=2, tree_width=w))
+        elif n == "eagle":
+            levels.append(EagleLevel(head_on(levels[-1].model, "eagle1", seed=5), levels[-1], tree_width=w))
+        else:
+            levels.append(ModelLevel(models[n], n, tree_width=w))
     return Chain(levels, k=k, thresholds=thresholds or [k + 2] * (len(names) - 1), eos={1})
 
 
-CHAINS = {"n2": ["ngram"], "n3": ["close", "ngram"], "n4": ["close", "far", "ngram"]}
+CHAINS = {"n2": ["ngram"], "n3": ["close", "ngram"], "n4": ["close", "far", "ngram"],  # n-gram trees
+          "m2": ["far"], "m3": ["close", "far"], "m4": ["close", "far", "farther"],  # a model's trees
+          "e2": ["eagle"], "e3": ["close", "eagle"]}  # an EAGLE head's trees
 
 
 def _models(hf, dtype=torch.float32):
-    """The target and two copies, on the device's kernels (bf16: the row kernels where they run, as
+    """The target and three copies, on the device's kernels (bf16: the row kernels where they run, as
     models.prepare binds them)."""
     return {"target": _lean(hf, dtype), "close": _lean(perturbed_copy(hf, 0.02, seed=1), dtype),
-            "far": _lean(perturbed_copy(hf, 0.06, seed=2), dtype)}
+            "far": _lean(perturbed_copy(hf, 0.06, seed=2), dtype),
+            "farther": _lean(perturbed_copy(hf, 0.2, seed=3), dtype)}
 
 
 def _lean(hf, dtype):
@@ -188,7 +202,7 @@ def test_greedy_tree_chains_equal_the_target(hf, chain, dtype):
     _check_greedy(models, models["target"], CHAINS[chain], compiled=False)
 
 
-@pytest.mark.parametrize("chain", ["n2", "n3"])
+@pytest.mark.parametrize("chain", ["n2", "n3", "m2", "e3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_greedy_tree_chains_equal_the_target(hf, chain, dtype):
     models = _models(hf, dtype)
@@ -202,12 +216,14 @@ def test_compiled_greedy_tree_chains_equal_the_target(hf, chain, dtype):
 
 
 @pytest.mark.parametrize("sname", list(SAMPLINGS))
-@pytest.mark.parametrize("cname", ["n2", "n3"])
+@pytest.mark.parametrize("cname", ["n2", "n3", "m2", "m3"])
 def test_tree_chain_samples_match_target(cname, sname):
+    """n-gram trees (one-hot candidates) and a model's trees (siblings drawn without replacement)."""
     hf, models = make_world("llama")
-    names = {"n2": ["ngram"], "n3": ["mid", "ngram"]}[cname]
+    names = {"n2": ["ngram"], "n3": ["mid", "ngram"], "m2": ["far"], "m3": ["mid", "far"]}[cname]
     levels = [ModelLevel(models["target"], "target")]
     levels += [NGramLevel(max_ngram=2, tree_width=3) if x == "ngram" else ModelLevel(models[x], x) for x in names]
+    levels[-1].tree_width = 3
     chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1), share_prompt_kv=False)
     branched = _count_branching(levels[-1])
     first, seqs = chain_sample_counts(chain, TREE_PROMPT, SAMPLINGS[sname], seed=99, n=N, vocab=V)
@@ -217,8 +233,8 @@ def test_tree_chain_samples_match_target(cname, sname):
     assert branched[0] > N // 2  # most generations verified a tree with siblings
 
 
-def _count_branching(ngram: NGramLevel) -> list[int]:
-    """[trees with siblings that `ngram` drafts from now on] (a counter its propose_tree updates)."""
+def _count_branching(ngram) -> list[int]:
+    """[trees with siblings that the level `ngram` drafts from now on] (a counter its propose_tree updates)."""
     seen, propose = [0], ngram.propose_tree
 
     def counted(*args):
@@ -255,6 +271,52 @@ def test_tree_widths_are_checked_and_spelled():
                                                               "name": "ngram"}
     with pytest.raises(ConfigError, match="tree width"):
         parse_chain_spec("ngram:3/x")
+
+
+def test_model_tree_spelling_and_checks():
+    spec = parse_chain_spec("runs/copy/model.safetensors@w4a8#3+ngram").levels
+    assert spec[0].kind == "quantized" and spec[0].kernel == "w4a8" and spec[0].tree_width == 3
+    assert spec[0].name == "runs/copy/model.safetensors@w4a8#3" and spec[1].tree_width == 1
+    assert LevelSpec.from_dict(spec[0].to_dict()) == spec[0] and spec[0].to_dict()["tree_width"] == 3
+    assert "tree_width" not in parse_chain_spec("target@bfloat16").levels[0].to_dict()
+    assert parse_chain_spec("eagle:h.safetensors#2").levels[0].tree_width == 2
+    assert LevelSpec("model", source="m", dtype="bfloat16", tree_width=2).name == "m@bfloat16#2"
+    for bad, match in (("target@bfloat16#x", "after '#'"), ("ngram:3#2", "after '/'"),
+                       ("#2", "after '#'")):
+        with pytest.raises(ConfigError, match=match):
+            parse_chain_spec(bad)
+    with pytest.raises(ConfigError, match="tree_width"):
+        LevelSpec("model", source="m", tree_width=0)
+
+
+def test_only_the_bottom_level_drafts_trees(hf):
+    models = _models(hf)
+    with pytest.raises(ConfigError, match="only the bottom level drafts trees"):
+        Chain([ModelLevel(models["target"]), ModelLevel(models["close"], "close", tree_width=2), NGramLevel()])
+
+
+def test_path_with_siblings_greedy_ranks_by_logits():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -9.0], [5.0, 0.0, 4.0, 1.0, 0.0]])  # [2, V]
+    q = torch.nn.functional.one_hot(torch.tensor([1, 0]), 5).float()
+    tokens, parents, rows = path_with_siblings([1, 0], q, logits, 3, True, None)
+    assert tokens == [1, 0, 2, 3, 2, 3] and parents == [-1, 0, -1, -1, 0, 0]
+    assert torch.equal(rows.argmax(-1), torch.tensor(tokens)) and torch.equal(rows.sum(-1), torch.ones(6))
+    assert path_with_siblings([1, 0], q, logits, 1, True, None)[0] == [1, 0]
+
+
+def test_path_with_siblings_samples_without_replacement():
+    """Each sibling is drawn from q less the tokens drawn before it at that depth, renormalized, and recorded with
+    that distribution; no token outside q's support (a top-p cut) is drafted."""
+    q = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    seen = torch.zeros(4)
+    for _ in range(300):
+        tokens, parents, rows = path_with_siblings([0], q, torch.zeros(1, 4), 4, False, g)
+        assert tokens[0] == 0 and len(tokens) == 3 == len(set(tokens)) and parents == [-1, -1, -1]
+        assert torch.allclose(rows[1], torch.tensor([0.0, 0.6, 0.4, 0.0]))
+        assert rows[2][tokens[2]] == 1.0
+        seen[tokens[1]] += 1
+    assert seen[3] == 0 and 0.45 < seen[1] / 300 < 0.75  # drawn with probability 0.6
 
 
 def test_ngram_trees_merge_shared_starts_best_first():
