@@ -6,7 +6,9 @@
    cache (cold), then again with that cache (warm); the steps' first calls are timed (compile and one run), and
    the graphs dynamo made are counted.
 2. Steady time per step: both modes in one process, their steps called alternately (a step of each size at the
-   same position, rolled back), median of --reps; and whether their logits are bit-equal.
+   same position, rolled back), median of --reps; and whether their logits are bit-equal. With --wrapped, each mode
+   also with its steps called through dynamo's and AOT autograd's wrappers (StaticSteps.skip_wrappers False) beside
+   its straight calls (models.static.GraphCall); the variants' order is shuffled each repetition.
 Prints a markdown table; --json writes the figures.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -88,18 +91,27 @@ def steady(a: argparse.Namespace, caches: dict[str, str]) -> dict:
     for m in models.values():
         m(ids[:, :p], 0)
     rows = [s for s in a.sizes if s <= 16]
-    times = {(mode, r): [] for mode in models for r in rows}
+    variants = [(mode, True) for mode in models] + ([(mode, False) for mode in models] if a.wrapped else [])
+    times = {(v, r): [] for v in variants for r in rows}
     equal = {r: True for r in rows}
+    shuffle = random.Random(0).shuffle
     for _ in range(a.reps):
+        shuffle(variants)
         for r in rows:
             outs = {}
-            for mode, m in models.items():
+            for mode, straight in variants:
+                m = models[mode]
+                m._static.skip_wrappers = straight
                 t0 = time.perf_counter()
-                outs[mode] = m(ids[:, p:p + r], p)[0]
-                times[mode, r].append(time.perf_counter() - t0)
-            equal[r] &= all(torch.equal(outs[WHOLE], o) for o in outs.values())
-    return {r: {**{f"{mode}_ms": 1e3 * statistics.median(times[mode, r]) for mode in models}, "bit_equal": equal[r]}
-            for r in rows}
+                outs[mode, straight] = m(ids[:, p:p + r], p)[0]
+                times[(mode, straight), r].append(time.perf_counter() - t0)
+            equal[r] &= all(torch.equal(outs[WHOLE, True], o) for o in outs.values())
+    return {r: {**{_name(mode, straight): 1e3 * statistics.median(times[(mode, straight), r])
+                   for mode, straight in sorted(variants)}, "bit_equal": equal[r]} for r in rows}
+
+
+def _name(mode: str, straight: bool) -> str:
+    return f"{mode}{'' if straight else ' wrapped'}_ms"
 
 
 def main(argv=None) -> None:
@@ -114,23 +126,30 @@ def main(argv=None) -> None:
     p.add_argument("--reverse", action="store_true", help="load the region modes' models before the whole one's")
     p.add_argument("--spans", default="1", type=lambda s: [int(x) for x in s.split(",")],
                    help="layers per compiled region, one mode each (beside the whole model's graph)")
+    p.add_argument("--wrapped", action="store_true", help="also time each mode's steps through torch.compile's "
+                   "wrappers (no straight calls)")
+    p.add_argument("--steady-only", action="store_true", help="skip the cold and warm compile times (the steady "
+                   "steps still compile, into a temporary cache)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         return child(a)
     with tempfile.TemporaryDirectory() as root:
         caches = {mode: os.path.join(root, mode.replace(":", "-")) for mode in modes(a.spans)}
-        compiled = compile_times(a, caches)
+        compiled = {} if a.steady_only else compile_times(a, caches)
         steps = steady(a, caches)
     print(f"{a.model} ({a.dtype}), sizes {a.sizes}, {torch.get_num_threads()} threads\n")
-    print("| mode | compile cold | compile warm | graphs |\n|---|---|---|---|")
-    for mode, c in compiled.items():
-        print(f"| {mode} | {c['cold_s']:.1f} s | {c['warm_s']:.1f} s | {c['graphs']} |")
-    names = [m for m in compiled if m != WHOLE]
-    print(f"\n| rows | whole | {' | '.join(names)} | logits bit-equal |\n|---|---|{'---|' * len(names)}---|")
+    if compiled:
+        print("| mode | compile cold | compile warm | graphs |\n|---|---|---|---|")
+        for mode, c in compiled.items():
+            print(f"| {mode} | {c['cold_s']:.1f} s | {c['warm_s']:.1f} s | {c['graphs']} |")
+    ref = _name(WHOLE, True)
+    names = [k for k in next(iter(steps.values())) if k.endswith("_ms") and k != ref]
+    print(f"\n| rows | whole | {' | '.join(n[:-3] for n in names)} | logits bit-equal |\n"
+          f"|---|---|{'---|' * len(names)}---|")
     for r, s in steps.items():
-        cells = " | ".join(f"{s[m + '_ms']:.2f} ms ({s[m + '_ms'] / s[WHOLE + '_ms']:.3f}x)" for m in names)
-        print(f"| {r} | {s[WHOLE + '_ms']:.2f} ms | {cells} | {s['bit_equal']} |")
+        cells = " | ".join(f"{s[n]:.2f} ms ({s[n] / s[ref]:.3f}x)" for n in names)
+        print(f"| {r} | {s[ref]:.2f} ms | {cells} | {s['bit_equal']} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"compile": compiled, "steps": steps}, f, indent=1)

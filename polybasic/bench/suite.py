@@ -17,6 +17,7 @@ from polybasic.bench import BUNDLE_METHODS, DEFAULT_METHODS
 from polybasic.bench.identity import add_identity, not_identical
 from polybasic.bench.methods import BenchContext, make_runner, parse_methods
 from polybasic.bench.peers import MethodFailed
+from polybasic.bench.predict import held_out_prompts, predict_chains
 from polybasic.bench.questions import load_questions, select
 from polybasic.bench.records import RunLog, open_log, records_path
 from polybasic.bench.report import machine_info, peak_rss_mib, text_table, write_outputs
@@ -76,7 +77,8 @@ def validate(a: argparse.Namespace):
     if a.step_sizes:
         check_sizes(a.step_sizes, "--step-sizes")
     for field, value, low in (("max_new_tokens", a.max_new_tokens, 1), ("warmup", a.warmup, 0),
-                              ("draft_tokens", a.draft_tokens, 1), ("threads", a.threads, 1)):
+                              ("draft_tokens", a.draft_tokens, 1), ("threads", a.threads, 1),
+                              ("predict", getattr(a, "predict", 0), 0)):
         if value is not None and value < low:
             raise ConfigError(f"{field}: must be >= {low}, got {value}; pass --{field.replace('_', '-')} "
                               f"{low} or more")
@@ -187,6 +189,11 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
                        hf_loader=lambda: load_hf_model(a.model, a.dtype, lm.model.device), bundle=bundle,
                        peer_timeout=a.peer_timeout)
     runners = _make_runners(methods, ctx, log, prompts)
+    predicted = {"chain": bundle.predicted_speedup} if bundle else {}
+    if getattr(a, "predict", 0):
+        chains = {m: r.chain for m, r in runners.items() if hasattr(r, "chain") and m not in predicted}
+        predicted.update(predict_chains(chains, held_out_prompts(lm.tokenizer, a.predict), ctx.eos, sampling,
+                                        a.max_new_tokens, lambda s: print(s, file=sys.stderr)))
     try:
         run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress, order=methods,
                 done=log.done(), on_record=log.record, on_failure=log.failure)
@@ -194,7 +201,6 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
         for r in runners.values():
             getattr(r, "close", lambda: None)()  # peers' processes end
         log.close()
-    predicted = {"chain": bundle.predicted_speedup} if bundle else {}
     machine = machine_info(a.dtype, _command_line(a), lm.model.device)  # names the GPU on CUDA
     machine["peak_rss_mib"] = peak_rss_mib()  # the whole process, every method's models loaded
     doc = build_document(log.records, sampling.greedy, machine, predicted, {

@@ -67,6 +67,10 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-confidence", type=float, default=None, metavar="P",
                    help="our chains: a drafting level (model or EAGLE head) ends its draft after a token it "
                         "gave a probability below P (lossless) (default: 0, off, or a bundle's for its chain)")
+    p.add_argument("--predict", type=int, default=0, metavar="N",
+                   help="profile every chain method's levels (T(M), each link's acceptance on the last N records of "
+                        "the shipped Alpaca set, never benchmark data) before timing, and print the planner's "
+                        "predicted speedup beside the measured one (0: only a bundle's chain has one, its plan's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts per method before timing")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

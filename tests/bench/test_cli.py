@@ -254,3 +254,20 @@ def test_per_draft_acceptance_leaves_out_empty_drafts(tiny_model_dir, monkeypatc
     assert 0 in link.drafted  # the run did verify an empty draft
     assert out.accepted == [a for a, d in zip(link.accepted, link.drafted) if d]
     assert out.tau == len(out.tokens) / seen["stats"].target_forwards
+
+
+def test_predict_prices_every_chain_method(tiny_model_dir, questions_file, tmp_path, capsys):
+    """--predict N profiles each chain method's levels on N held-out (Alpaca) prompts and fills its predicted
+    speedup; plain decoding has none; --predict must not be negative."""
+    out = tmp_path / "b.json"
+    methods = ["vanilla", "pld", "chain:target@bfloat16+ngram/2"]
+    rc = main(["bench", "--model", str(tiny_model_dir), "--questions", str(questions_file), "--per-category", "1",
+               "--categories", "qa", "--max-new-tokens", "8", "--draft-tokens", "3", "--methods", ",".join(methods),
+               "--json", str(out), "--no-progress", "--warmup", "0", "--predict", "2"])
+    assert rc == 0
+    d = json.loads(out.read_text())["methods"]
+    assert d["vanilla"]["predicted_speedup"] is None
+    assert all(d[m]["predicted_speedup"] > 0 for m in methods[1:])
+    assert "profiling its levels" in capsys.readouterr().err
+    assert main(["bench", "--model", "/nonexistent", "--questions", str(questions_file), "--predict", "-1"]) == 2
+    assert "predict: must be >= 0" in capsys.readouterr().err

@@ -245,14 +245,17 @@ def _count_branching(ngram) -> list[int]:
     return seen
 
 
-def test_compiled_tree_chain_samples_match_target(device):
-    """The compiled tree steps on every device (CUDA graphs on CUDA: gpu marker)."""
+@pytest.mark.parametrize("bottom", ["ngram", "model"])
+def test_compiled_tree_chain_samples_match_target(device, bottom):
+    """The compiled tree steps on every device (CUDA graphs on CUDA: gpu marker): an n-gram level's trees under a
+    middle level, and a model's trees (siblings drawn without replacement) under the target."""
     hf, _ = make_world("llama")
     models = {"target": lean_from_hf(hf).to(device), "mid": lean_from_hf(perturbed_copy(hf, 0.3, seed=11)).to(device)}
-    levels = [ModelLevel(models["target"], "target"), ModelLevel(models["mid"], "mid"),
-              NGramLevel(max_ngram=2, tree_width=3)]
+    levels = [ModelLevel(models["target"], "target"), ModelLevel(models["mid"], "mid")]
+    levels += [NGramLevel(max_ngram=2, tree_width=3)] if bottom == "ngram" else []
+    levels[-1].tree_width = 3
     compile_levels(levels, 64, sizes=(1, 4, 8, 16))
-    chain = Chain(levels, k=3, thresholds=[2], share_prompt_kv=False)  # the first tree: after "3"
+    chain = Chain(levels, k=3, thresholds=[2] * (len(levels) - 2), share_prompt_kv=False)  # n-gram: a tree after "3"
     branched = _count_branching(levels[-1])
     sampling = SAMPLINGS["t0.7-p0.9"]
     first, seqs = chain_sample_counts(chain, TREE_PROMPT, sampling, seed=5, n=N, vocab=V)
