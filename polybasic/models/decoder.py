@@ -146,7 +146,7 @@ class Transformer(nn.Module):
         notify: told before each first compile (default: the log).
         regions: on the CPU, compile one graph per size for a decoder layer, which every layer runs (and the LM head
         apart where it reads GGUF codes), the rest of a step eager (models.static: ~6x less compile time, steps
-        ~4-8% slower); False: one graph of the whole step, as on CUDA (CUDA graphs) always.
+        ~3% slower); False: one graph of the whole step, as on CUDA (CUDA graphs) always.
         """
         coded = attach_codes(self, gguf) if gguf is not None else 0
         if self._static is None:

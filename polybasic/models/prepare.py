@@ -115,7 +115,7 @@ def compile_for_device(model, gguf: str | Path | None = None, flag: str = "--com
     """Run every forward of `model` (a lean decoder or an EAGLE head) through static-shape compiled steps
     (models.static) the way its device supports; returns how many linears read GGUF block codes. mode (the CPU):
     'layers' compiles one graph per size for a decoder layer, run by every layer (seconds to compile); 'whole' one
-    graph of the whole model per size (minutes to compile, ~5% faster steps on a 2-core CPU; docs/results.md)."""
+    graph of the whole model per size (minutes to compile, ~3% faster steps on a 2-core CPU; docs/results.md)."""
     device = model.fc.weight.device if isinstance(model, EagleHead) else model.device
     check_compilable(device, flag)
     if mode not in COMPILE_MODES:

@@ -20,7 +20,7 @@ through `region` (a decoder layer: one graph per size, which every layer of the 
 all the layers). A 1.5B model's step then compiles in ~3-6 s a size instead of ~40-75 s on 2 cores, and a process
 that finds the graphs in inductor's cache traces one layer, not 28; each layer's call costs ~30-40 us of Python and
 dispatch with dynamo's guards skipped, ~4-6% of a 1.5B or 0.5B W4 model's step, until two calls of a key have shown
-that its compiled code can be called straight (GraphCall): then about what a whole-model graph's step costs
+that its compiled code can be called straight (GraphCall): then ~3% more than a whole-model graph called straight
 (docs/results.md).
 """
 from __future__ import annotations
@@ -304,8 +304,8 @@ def recorded(fn: Callable, args: tuple) -> tuple:
 class GraphCall:
     """A step's (or region's) compiled code called straight: inductor's callable on the inputs its wrappers gave it,
     the call's own tensors put in their places. Dynamo's bytecode (which reads every weight and cache tensor off the
-    modules at each call) and AOT autograd's runtime wrappers cost a 2-core AMD EPYC ~30-40 us a call: ~4% of a
-    1.5B `@w4a8` step run as 28 layer regions, which this removes (docs/results.md).
+    modules at each call) and AOT autograd's runtime wrappers cost a 2-core AMD EPYC ~25-35 us a call: ~3% of a
+    1.5B `@w4a8` step run as 28 layer regions, ~1.5% of one run as a whole-model graph (docs/results.md).
 
     Built from two recorded calls (`recorded`) of a key's unguarded code, only where they show it safe: every input
     of the compiled code is either one of the call's own tensors (by identity) or the same tensor in both calls (a
