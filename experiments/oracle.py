@@ -11,7 +11,8 @@ capped geometric variable with the per-depth rate 1 - prod(1 - rates[r]) (Theore
 measured-curve model (planner.cost.predict) predicts the chain's speed from the target's measured T(M), the
 block's time and that rate alone. Measured / predicted is the runtime's efficiency: what the chain's own
 bookkeeping, K/V moves and host work cost. The planner chooses from T(M) measured once at the start; each
-chosen config's prediction is then made again from T(1) and T(M) measured right before and after its runs. Per rate:
+chosen config's prediction is then made again from T(1) and T(M) measured before each prompt's runs and after the
+last, averaged. Per rate:
 the planned path (width 1, the best k) and the planned tree
 (the best width and k), each generated on --prompts random prompts, greedy, its tokens checked against plain
 decoding's, its time against compiled plain decoding's on the same prompts, the two alternated per prompt (prefill
@@ -150,11 +151,13 @@ def build(shape: str, seed: int = 0, max_seq_len: int = 4096):
     return prepare_for_device(model.eval().requires_grad_(False))
 
 
-def interleaved(makers, prompts) -> list[tuple[float, list[list[int]], list]]:
+def interleaved(makers, prompts, between=lambda: None) -> list[tuple[float, list[list[int]], list]]:
     """Each maker (prompt -> (new tokens, stats or None)) on every prompt, the makers alternated per prompt (the VM's
-    speed drifts over minutes): per maker (seconds over all prompts, prefill included; each prompt's tokens; stats)."""
+    speed drifts over minutes), `between()` called before each prompt's runs: per maker (seconds over all prompts,
+    prefill included; each prompt's tokens; stats)."""
     out = [[0.0, [], []] for _ in makers]
     for p in prompts:
+        between()
         for slot, make in zip(out, makers):
             t0 = time.perf_counter()
             toks, st = make(p)
@@ -219,13 +222,14 @@ def main(argv=None) -> None:
                                      vocab_size=model.args.vocab_size, name=f"oracle/{width}")
                 return Chain([ModelLevel(model, "target"), oracle], k=k).generate(pr, a.new_tokens)
 
-            # the VM's speed, and the shape of T(M), drift over minutes: the prediction compared is made from T(1)
-            # and T(k * width + 1) measured right before and right after this config's runs, averaged
-            before = cost_curve(ModelLevel(model), [1, k * width + 1], context=a.prompt_len, reps=5)
-            (base_s, again, _), (chain_s, outs, stats) = interleaved([plain, chained], prompts)
-            after = cost_curve(ModelLevel(model), [1, k * width + 1], context=a.prompt_len, reps=5)
-            speedup, _, _, pred = plan_oracle(_mean_curve(before, after), block_ms, [rate], [width], [k],
-                                              a.new_tokens)[0]
+            # the VM's speed, and the shape of T(M), drift within minutes: the prediction compared is made from T(1)
+            # and T(k * width + 1) measured before each prompt's runs and after the last, averaged
+            curves = []
+            measure = lambda: curves.append(cost_curve(ModelLevel(model), [1, k * width + 1],  # noqa: E731
+                                                       context=a.prompt_len, reps=5))
+            (base_s, again, _), (chain_s, outs, stats) = interleaved([plain, chained], prompts, measure)
+            measure()
+            speedup, _, _, pred = plan_oracle(_mean_curve(curves), block_ms, [rate], [width], [k], a.new_tokens)[0]
             tau = sum(s.new_tokens for s in stats) / sum(s.target_forwards for s in stats)
             row = dict(shape=a.shape, rate=rate, width=width, k=k, predicted=speedup, predicted_tau=pred.tau,
                        measured=base_s / chain_s, tau=tau, efficiency=base_s / chain_s / speedup,
@@ -245,11 +249,11 @@ def main(argv=None) -> None:
                        "results": results}, f, indent=1)
 
 
-def _mean_curve(a: CostCurve, b: CostCurve) -> CostCurve:
-    """Two measurements of one curve, averaged point by point."""
-    mean = lambda x, y: (x + y) / 2  # noqa: E731
-    return CostCurve(a.tokens, [mean(x, y) for x, y in zip(a.time_ms, b.time_ms)], a.context, a.prefill_tokens,
-                     mean(a.prefill_ms, b.prefill_ms), mean(a.decode_ms, b.decode_ms))
+def _mean_curve(curves: list[CostCurve]) -> CostCurve:
+    """Measurements of one curve, averaged point by point."""
+    a, mean = curves[0], lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return CostCurve(a.tokens, [mean(xs) for xs in zip(*(c.time_ms for c in curves))], a.context, a.prefill_tokens,
+                     mean([c.prefill_ms for c in curves]), mean([c.decode_ms for c in curves]))
 
 
 def _ms(fn, reps: int = 50) -> float:
