@@ -22,8 +22,7 @@ import torch
 
 
 def main(argv=None) -> None:
-    from polybasic.data.catalog import ALPACA
-    from polybasic.drafters.data import load_pairs
+    from polybasic.bench.predict import held_out_prompts
     from polybasic.planner.measure import build_profile
     from polybasic.planner.search import SearchSpace, plan, render_markdown
     from polybasic.quant.api import load_any_model
@@ -31,7 +30,7 @@ def main(argv=None) -> None:
     from polybasic.runtime.chain_builder import parse_chain
     from polybasic.runtime.compiled import compile_levels
     from polybasic.runtime.levels import ModelLevel, NGramLevel
-    from polybasic.runtime.text import encode_prompt, eos_ids
+    from polybasic.runtime.text import eos_ids
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b@w4a8")
@@ -61,7 +60,7 @@ def main(argv=None) -> None:
     compile_levels(models + [ngrams[-1]] + drafters, 512, lm.gguf_file if lm.model.dtype == torch.float32 else None,
                    rows=rows, notify=print)
     target.model.warm_steps(trees=True)
-    prompts = [encode_prompt(lm.tokenizer, q) for q, _ in load_pairs(ALPACA)[-a.prompts:]]
+    prompts = held_out_prompts(lm.tokenizer, a.prompts)
     pairs = [(target, n) for n in ngrams + drafters]
     pairs += [(target, middle)] + [(middle, n) for n in ngrams] if middle else []
     profile = build_profile(models + ngrams + drafters, pairs, prompts, a.k, context=256, reps=5,

@@ -15,7 +15,7 @@ from polybasic.config import SamplingConfig
 from polybasic.data.catalog import ALPACA
 from polybasic.drafters.data import load_pairs
 from polybasic.planner.cost import ChainConfig, predict
-from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance
+from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance, profile_tokens
 from polybasic.planner.profile import Profile
 from polybasic.runtime.text import encode_prompt
 
@@ -43,7 +43,7 @@ def predict_chains(chains: dict[str, tuple[Callable[[], list], int, list[int] | 
             continue
         notify(f"[{method}: profiling its levels for the predicted speedup]")
         window = min(getattr(lv, "max_seq_len", 1 << 30) for lv in levels)
-        tokens = tuple(sorted(set(range(1, k + 2)) | {2 * (k + 1), 3 * (k + 1)}))  # as the profile stage's
+        tokens = profile_tokens(k)
         context = max(2, min(CONTEXT, window - tokens[-1] - 2))
         fit = [p[-(window - PROFILE_TOKENS - k * levels[-1].tree_width - 4):] for p in prompts]
         for lv in levels:

@@ -323,13 +323,13 @@ class GraphCall:
         if graph is not graph2 or fn is None or len(in1) != len(in2) or not isinstance(res, (list, tuple)):
             return None
         own1, own2 = _tensors(args1), _tensors(args2)
-        where = {id(t): i for i, t in enumerate(own2)}
+        where, first_own = {id(t): i for i, t in enumerate(own2)}, {id(t) for t in own1}
         slots = []
         for j, (a, b) in enumerate(zip(in1, in2)):
             i = where.get(id(b))
             if i is not None and i < len(own1) and a is own1[i]:
                 slots.append((j, i))
-            elif a is not b or id(a) in {id(t) for t in own1}:
+            elif a is not b or id(a) in first_own:
                 return None  # neither the call's own tensor nor one both calls share
         outs = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, tuple) else None
         if outs is None or len(outs) != len(res) or any(o is not r for o, r in zip(outs, res)):

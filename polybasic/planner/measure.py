@@ -172,12 +172,18 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
                        max(0.0, outside_s) * 1e3 / n, drafter.tree_width, sizes, s.get("by_rank", {}))
 
 
+def profile_tokens(k: int) -> tuple[int, ...]:
+    """The token counts M a level's T(M) is profiled at for drafts of k: 1..k+1, and 2(k+1), 3(k+1) for the chunks a
+    middle level hands up."""
+    return tuple(sorted(set(range(1, k + 2)) | {2 * (k + 1), 3 * (k + 1)}))
+
+
 def build_profile(levels: Sequence[Level], pairs: Sequence[tuple[Level, Level]], prompts: Sequence[list[int]],
                   k: int, sampling: SamplingConfig = SamplingConfig(), context: int = 256, reps: int = 10,
                   max_new_tokens: int = 64, eos: Iterable[int] = (), device: str | None = None) -> Profile:
     """Every level's cost curve (M = 1..k+1, and 2(k+1), 3(k+1) for the chunks a middle level hands
     up) and every (verifier, drafter) pair's acceptance, as one Profile. levels: the target first."""
-    tokens = sorted(set(range(1, k + 2)) | {2 * (k + 1), 3 * (k + 1)})
+    tokens = profile_tokens(k)
     for lv in levels[1:]:
         if lv.vocab_size is None:  # as Chain does: a model-free level takes the target's vocabulary
             lv.vocab_size = levels[0].vocab_size

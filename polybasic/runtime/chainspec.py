@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from polybasic.config import KERNELS, check_dtype
-from polybasic.errors import ConfigError, PolybasicError
+from polybasic.errors import ConfigError, PolybasicError, check
 from polybasic.models.preflight import FIX_HEAD, HEAD_CONFIG_KEY, check_source, safetensors_metadata
 
 CHAIN_SPEC_VERSION = 1
@@ -43,9 +43,7 @@ class LevelSpec:
     def __post_init__(self) -> None:
         if self.kind not in LEVEL_KINDS:
             raise ConfigError(f"kind: unknown level kind '{self.kind}'; use one of {', '.join(LEVEL_KINDS)}")
-        if isinstance(self.tree_width, bool) or not (isinstance(self.tree_width, int) and self.tree_width >= 1):
-            raise ConfigError(f"'{self.kind}': tree_width must be an integer >= 1, got {self.tree_width!r}; "
-                              "e.g. ngram:3/4 or runs/copy/model.safetensors#2")
+        check_tree_width(self.tree_width, f"'{self.kind}': tree_width", "e.g. ngram:3/4 or runs/copy/model.safetensors#2")
         LEVEL_KINDS[self.kind].validate(self)
         if not self.name:
             object.__setattr__(self, "name", LEVEL_KINDS[self.kind].spell(self) + _width_suffix(self))
@@ -133,6 +131,13 @@ def _with_dtype(text: str) -> tuple[str, str]:
     return source, check_dtype(dtype, "dtype")
 
 
+def check_tree_width(width, field: str = "tree_width", fix: str = "1 drafts paths") -> int:
+    """A level's tree width (an int >= 1, not a bool), or a ConfigError naming `field`."""
+    check(isinstance(width, int) and not isinstance(width, bool) and width >= 1, field,
+          f"must be an integer >= 1, got {width!r}", fix)
+    return width
+
+
 def _width_suffix(spec: LevelSpec) -> str:
     """'#W' for a tree width above 1 of a kind that does not spell it itself (every kind but ngram), else ''."""
     return f"#{spec.tree_width}" if spec.tree_width > 1 and "tree_width" not in LEVEL_KINDS[spec.kind].fields else ""
@@ -153,8 +158,6 @@ def _parse_ngram(item: str) -> LevelSpec | None:
 def _validate_ngram(spec: LevelSpec) -> None:
     if not (isinstance(spec.max_ngram, int) and spec.max_ngram >= 1):
         raise ConfigError(f"'ngram': max_ngram must be an integer >= 1, got {spec.max_ngram!r}; e.g. ngram:3")
-    if not (isinstance(spec.tree_width, int) and spec.tree_width >= 1):
-        raise ConfigError(f"'ngram': tree_width must be an integer >= 1, got {spec.tree_width!r}; e.g. ngram:3/4")
 
 
 def _parse_eagle(item: str) -> LevelSpec | None:

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from polybasic.config import SamplingConfig
 from polybasic.models.eagle_head import EagleHead
-from polybasic.runtime.levels import Level, ModelLevel, check_tree_width, common_prefix
+from polybasic.runtime.chainspec import check_tree_width
+from polybasic.runtime.levels import Level, ModelLevel, common_prefix
 from polybasic.runtime.sampling import probs_from_logits, sample
 
 
@@ -73,11 +74,6 @@ class EagleLevel(Level):
         self.counters.forwards += 1
         self.counters.tokens_fed += len(toks)
         return out
-
-    def propose(self, context: list[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None, eos: frozenset[int],
-                min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
-        return self.draft(context, k, sampling, generator, eos, min_confidence)[:2]
 
     @torch.inference_mode()
     def draft(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None,

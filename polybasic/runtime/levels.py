@@ -23,6 +23,7 @@ from polybasic.config import SamplingConfig
 from polybasic.errors import check
 from polybasic.models import tree as token_tree
 from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES
+from polybasic.runtime.chainspec import check_tree_width
 from polybasic.runtime.sampling import probs_from_logits, sample
 
 
@@ -76,8 +77,9 @@ class Level:
                 generator: torch.Generator | None, eos: frozenset[int],
                 min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
         """Up to k tokens after context, with the distributions they were drawn from [len, V]. A level
-        that can tell its confidence (ModelLevel, EagleLevel) stops after a token it gave less than min_confidence."""
-        raise NotImplementedError
+        that can tell its confidence (ModelLevel, EagleLevel) stops after a token it gave less than min_confidence.
+        This base: draft's tokens and distributions."""
+        return self.draft(context, k, sampling, generator, eos, min_confidence)[:2]
 
     def room(self, context: list[int]) -> int:
         """How many draft rows score(context, ...) can take in one forward (a tree's rows; unbounded: huge)."""
@@ -97,7 +99,7 @@ class Level:
               eos: frozenset[int], min_confidence: float = 0.0) -> tuple[list[int], Tensor, Tensor]:
         """propose's tokens [n] and distributions [n, V], and the raw logits each was drawn from [n, V'] (a level
         that drafts from logits: ModelLevel, EagleLevel)."""
-        raise NotImplementedError(f"level '{self.name}' cannot draft token trees")
+        raise NotImplementedError(f"level '{self.name}' cannot draft")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -213,11 +215,6 @@ class ModelLevel(Level):
             self.hidden = self.hidden.index_select(0, torch.tensor(keep, device=self.hidden.device))
         self.cached = list(context) + [draft[j] for j in path]
 
-    def propose(self, context: list[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None, eos: frozenset[int],
-                min_confidence: float = 0.0) -> tuple[list[int], Tensor]:
-        return self.draft(context, k, sampling, generator, eos, min_confidence)[:2]
-
     def draft(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None,
               eos: frozenset[int], min_confidence: float = 0.0) -> tuple[list[int], Tensor, Tensor]:
         tokens: list[int] = []
@@ -332,13 +329,6 @@ def one_hot(tokens: list[int], vocab_size: int, device=None) -> Tensor:
     if tokens:
         q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
     return q
-
-
-def check_tree_width(width) -> int:
-    """A level's tree_width, or a ConfigError naming the field."""
-    check(isinstance(width, int) and not isinstance(width, bool) and width >= 1, "tree_width",
-          f"must be an integer >= 1, got {width!r}", "1 drafts paths")
-    return width
 
 
 def path_with_siblings(tokens: list[int], q: Tensor, logits: Tensor, width: int, greedy: bool,
