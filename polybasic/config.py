@@ -482,7 +482,8 @@ class ProfileSection:
     last `prompts` records of `data` (held out: they must not be among the distill stage's)."""
 
     levels: list[str] = field(default_factory=lambda: ["quantized", "eagle:target", "eagle:quantized", "ngram"])
-    # candidate levels below the target: quantized, eagle:target, eagle:quantized, quantized:SOURCE (a
+    # candidate levels below the target: quantized, eagle:target, eagle:quantized (either @KERNEL: its block on
+    # 4-bit weights, e.g. eagle:target@w4a8), quantized:SOURCE (a
     # quantize.siblings copy) or any --chain level (ngram[:N], PATH.safetensors, target@DTYPE, SOURCE[@DTYPE],
     # eagle:PATH); eagle:X is skipped unless distill.drafters lists X (eagle:quantized: and quantized is a level)
     data: DataSource = field(default_factory=lambda: DataSource(DEFAULT_DATA))  # acceptance prompts: its last `prompts`

@@ -5,6 +5,7 @@
 |-------------|---------------------------------------------|------------------------------------|
 | alpaca-1000 | files/alpaca_1000/alpaca_data_cleaned_1000.json | CC BY-NC 4.0 (NOTICE.md beside it) |
 | spec-bench  | files/spec_bench/question.jsonl             | Apache-2.0 (LICENSE beside it)     |
+| work-mix-48 | files/work_mix/work_mix_48.json             | Apache-2.0 (NOTICE.md beside it)   |
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 SHIPPED = {
     "alpaca-1000": "alpaca_1000/alpaca_data_cleaned_1000.json",  # drafter prompts, calibration, profiling
     "spec-bench": "spec_bench/question.jsonl",  # the speed benchmark: never train on it
+    "work-mix-48": "work_mix/work_mix_48.json",  # code, math and prose prompts: a profile's acceptance prompts
 }
 ALPACA = "alpaca-1000"
 SPEC_BENCH = "spec-bench"

@@ -28,13 +28,23 @@ from polybasic.runtime.levels import ModelLevel, kv_compatible
 from polybasic.runtime.text import encode_prompt, eos_ids
 
 
+OWN_HEADS = ("eagle:target", "eagle:quantized")
+
+
+def own_head(name: str) -> tuple[str, str]:
+    """'eagle:target@w4a8' -> ('eagle:target', '@w4a8') (a recipe head on a kernel); other names -> (name, '')."""
+    base, at, kernel = name.partition("@")
+    return (base, at + kernel) if base in OWN_HEADS else (name, "")
+
+
 def own_level(name: str, out: Path) -> str:
     """The spelling of a recipe output's level name; other spellings as they are."""
     if name.startswith(SIBLING):
         return str(sibling_folder(out, name[len(SIBLING):]) / "model.safetensors")
+    name, kernel = own_head(name)
     return {"quantized": str(out / "model.safetensors"),
-            "eagle:target": f"eagle:{out / 'distill' / 'target' / 'head.safetensors'}",
-            "eagle:quantized": f"eagle:{out / 'distill' / 'quantized' / 'head.safetensors'}"}.get(name, name)
+            "eagle:target": f"eagle:{out / 'distill' / 'target' / 'head.safetensors'}{kernel}",
+            "eagle:quantized": f"eagle:{out / 'distill' / 'quantized' / 'head.safetensors'}{kernel}"}.get(name, name)
 
 
 def chain_spelling(names: list[str], out: Path) -> str:
@@ -46,12 +56,12 @@ def _writer(name: str) -> str | None:
     """The stage that writes a recipe output level, if it is one."""
     if name.startswith(SIBLING):
         return "quantize"
-    return {"quantized": "quantize", "eagle:target": "distill", "eagle:quantized": "distill"}.get(name)
+    return {"quantized": "quantize", "eagle:target": "distill", "eagle:quantized": "distill"}.get(own_head(name)[0])
 
 
 def _base_of(name: str) -> str:
     """The profile name of the level an EAGLE candidate drafts on."""
-    return "quantized" if name == "eagle:quantized" else "target"
+    return "quantized" if own_head(name)[0] == "eagle:quantized" else "target"
 
 
 def candidates(recipe, out: Path) -> list[str]:
@@ -60,9 +70,10 @@ def candidates(recipe, out: Path) -> list[str]:
     drafters = set(recipe.distill.drafters)
     names = []
     for name in recipe.profile.levels:
-        if name == "eagle:target" and "target" not in drafters:
+        head = own_head(name)[0]
+        if head == "eagle:target" and "target" not in drafters:
             continue
-        if name == "eagle:quantized" and ("quantized" not in drafters or "quantized" not in recipe.profile.levels):
+        if head == "eagle:quantized" and ("quantized" not in drafters or "quantized" not in recipe.profile.levels):
             continue
         if name.startswith(SIBLING) and name[len(SIBLING):] not in recipe.quantize.siblings:
             raise ConfigError(f"profile.levels: '{name}' names a quantized sibling, but quantize.siblings "

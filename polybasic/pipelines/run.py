@@ -20,8 +20,8 @@ from polybasic._lazy import load_entry
 from polybasic.artifacts import announce, clean_and_announce, write_json
 from polybasic.config import dump_recipe, load_recipe, to_dict
 from polybasic.errors import ConfigError
-from polybasic.models import load_model
 from polybasic.pipelines.stages import NAMES, STAGES, Stage
+from polybasic.quant.api import load_any_model
 from polybasic.runtime.context import ExecutionContext
 
 RECORDS = ".stages"
@@ -46,9 +46,9 @@ class StageContext:
     @property
     def target(self):
         """The recipe's model (models.loader.LoadedModel) in its dtype on its device, loaded once; the
-        stages build their levels where it is."""
+        stages build their levels where it is. 'NAME@w4a8' runs the GGUF's own codes (quant.load_any_model)."""
         if self._target is None:
-            self._target = load_model(self.recipe.model.source, self.execution.dtype, self.execution.device)
+            self._target = load_any_model(self.recipe.model.source, self.execution.dtype, self.execution.device)
         return self._target
 
 

@@ -85,6 +85,14 @@ def _swap(model: nn.Module, config: QuantConfig, plan: dict[str, str], device=No
     return model
 
 
+def quantize_head(head: nn.Module, kernel: str) -> nn.Module:
+    """A drafter head's decoder blocks (`layers.*`) rounded to 4-bit weights in groups of 32 (round-to-nearest)
+    on `kernel`, in place: a head step reads a quarter of the bytes. Its fc and LM head rows stay as trained.
+    Lossless all the same: a chain verifies the head's drafts against the distributions it sampled them from."""
+    return quantize_(head, QuantConfig(w_bits=4, group_size=32, kernel=kernel),
+                     lambda m, fqn: fqn.startswith("layers."))
+
+
 def quantized_modules(model: nn.Module) -> dict[str, str]:
     """{module name: kernel} of every quantized linear in model."""
     return {fqn: m.kernel for fqn, m in model.named_modules() if isinstance(m, QuantLinear)}

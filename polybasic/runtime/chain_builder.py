@@ -14,7 +14,7 @@ from polybasic.models.eagle_head import load_head
 from polybasic.models.loader import LoadedModel, load_model
 from polybasic.models.tokenizer_check import check_same_tokenizer
 from polybasic.quant import load_quantized
-from polybasic.quant.api import load_quantized_model, quant_header
+from polybasic.quant.api import load_quantized_model, quant_header, quantize_head
 from polybasic.quant.linear import keep_dense_for_prefill
 from polybasic.runtime.chainspec import LEVEL_KINDS, ChainSpec, LevelSpec, check_chain_files, named, parse_chain_spec
 from polybasic.runtime.eagle_level import EagleLevel
@@ -26,7 +26,11 @@ def build_ngram(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
 
 
 def build_eagle(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
-    return EagleLevel(load_head(spec.path, above.model), above, name=spec.name)
+    """A head on the features of the level above; with spec.kernel its decoder block on 4-bit weights."""
+    head = load_head(spec.path, above.model)
+    if spec.kernel:
+        quantize_head(head, spec.kernel)
+    return EagleLevel(head, above, name=spec.name)
 
 
 def build_quantized(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:

@@ -6,7 +6,7 @@ A `ChainSpec` is a tuple of `LevelSpec`s (the target itself is implicit, on top)
 None of them imports torch or loads a model; `runtime.chain_builder.build_chain` turns a spec into levels.
 
 The spelling is '+'-separated levels, top to bottom, optionally after 'target+'; each level kind
-(LEVEL_KINDS: eagle:PATH, ngram[:N][/W], PATH.safetensors[@KERNEL], target@DTYPE, SOURCE[@DTYPE], tried in this order)
+(LEVEL_KINDS: eagle:PATH[@KERNEL], ngram[:N][/W], PATH.safetensors[@KERNEL], target@DTYPE, SOURCE[@DTYPE], tried in this order)
 parses its own form, and CHAIN_FORMS lists them for help texts. Example: 'target@bfloat16+ngram'. A drafting level
 (every kind but ngram) spelled LEVEL#W drafts token trees of W candidates per depth as the chain's bottom level.
 """
@@ -34,7 +34,8 @@ class LevelSpec:
     source: str = ""  # model: any model source load_model accepts
     dtype: str = "float32"  # model, target: the dtype the weights run in
     path: str = ""  # quantized: the copy's .safetensors; eagle: the head's .safetensors
-    kernel: str = ""  # quantized: run with this kernel (config.KERNELS) instead of the recorded ones ('')
+    kernel: str = ""  # quantized: run with this kernel (config.KERNELS) instead of the recorded ones (''); eagle:
+    # the head's decoder block rounded to 4-bit weights (groups of 32) on this kernel at load ('': as trained)
     max_ngram: int = 3  # ngram: longest n-gram looked up in the context
     tree_width: int = 1  # as the bottom level, draft token trees (1: paths; runtime.tree_verify): ngram, of this
     # many leaves (its best matches); a drafting model or head, of this many candidates per depth (spelled LEVEL#W)
@@ -160,8 +161,28 @@ def _validate_ngram(spec: LevelSpec) -> None:
         raise ConfigError(f"'ngram': max_ngram must be an integer >= 1, got {spec.max_ngram!r}; e.g. ngram:3")
 
 
+def _path_and_kernel(text: str) -> tuple[str, str]:
+    """'PATH.safetensors@KERNEL' -> (PATH.safetensors, KERNEL); any other text -> (text, '')."""
+    path, at, kernel = text.rpartition("@")
+    return (path, kernel) if at and path.endswith(".safetensors") and "/" not in kernel else (text, "")
+
+
 def _parse_eagle(item: str) -> LevelSpec | None:
-    return LevelSpec("eagle", path=item[len("eagle:"):], name=item) if item.startswith("eagle:") else None
+    if not item.startswith("eagle:"):
+        return None
+    path, kernel = _path_and_kernel(item[len("eagle:"):])
+    return LevelSpec("eagle", path=path, kernel=kernel, name=item)
+
+
+def _check_kernel(spec: LevelSpec, what: str) -> None:
+    if spec.kernel and spec.kernel not in KERNELS:
+        raise ConfigError(f"'{spec.path}@{spec.kernel}': unknown kernel '{spec.kernel}'. {what}: "
+                          f"{', '.join(KERNELS[1:])}")
+
+
+def _validate_eagle(spec: LevelSpec) -> None:
+    _needs_path(spec)
+    _check_kernel(spec, "'@' after a head's path runs its decoder block on 4-bit weights with a kernel")
 
 
 def _needs_path(spec: LevelSpec) -> None:
@@ -180,17 +201,13 @@ def _check_head(spec: LevelSpec) -> None:
 
 
 def _parse_quantized(item: str) -> LevelSpec | None:
-    path, at, kernel = item.rpartition("@")
-    if at and path.endswith(".safetensors") and "/" not in kernel:
-        return LevelSpec("quantized", path=path, kernel=kernel, name=item)
-    return LevelSpec("quantized", path=item, name=item) if item.endswith(".safetensors") else None
+    path, kernel = _path_and_kernel(item)
+    return LevelSpec("quantized", path=path, kernel=kernel, name=item) if path.endswith(".safetensors") else None
 
 
 def _validate_quantized(spec: LevelSpec) -> None:
     _needs_path(spec)
-    if spec.kernel and spec.kernel not in KERNELS:
-        raise ConfigError(f"'{spec.path}@{spec.kernel}': unknown kernel '{spec.kernel}'. A quantized copy runs in "
-                          f"the dtype it was saved with; '@' names a kernel to run it with: {', '.join(KERNELS[1:])}")
+    _check_kernel(spec, "A quantized copy runs in the dtype it was saved with; '@' names a kernel to run it with")
 
 
 def _parse_target(item: str) -> LevelSpec | None:
@@ -220,10 +237,11 @@ def _validate_model(spec: LevelSpec) -> None:
 
 
 LEVEL_KINDS: dict[str, LevelKind] = {k.name: k for k in [
-    LevelKind("eagle", "eagle:PATH", "eagle:runs/smollm2-cpu/distill/target/head.safetensors",
+    LevelKind("eagle", "eagle:PATH[@KERNEL]", "eagle:runs/smollm2-cpu/distill/target/head.safetensors",
               "an EAGLE drafter head (`polybasic distill`), drafting on the features of the model "
-              "level right above it", ("path",), _parse_eagle, lambda s: f"eagle:{s.path}",
-              _needs_path, _check_head, "polybasic.runtime.chain_builder:build_eagle", drafts_on_features=True),
+              "level right above it; @KERNEL (e.g. w4a8): its decoder block on 4-bit weights", ("path", "kernel"),
+              _parse_eagle, lambda s: f"eagle:{s.path}" + (f"@{s.kernel}" if s.kernel else ""),
+              _validate_eagle, _check_head, "polybasic.runtime.chain_builder:build_eagle", drafts_on_features=True),
     LevelKind("ngram", "ngram[:N][/W]", "ngram:3/4", "prompt lookup: proposes what followed the longest "
               "matching n-gram (N at most, default 3) of the context; /W: a token tree of what followed its "
               "W best matches", ("max_ngram", "tree_width"), _parse_ngram,

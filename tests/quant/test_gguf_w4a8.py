@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from polybasic.errors import ConfigError
+from polybasic.models.eagle_head import DrafterConfig, make_head
 from polybasic.models import loader
 from polybasic.models.loader import load_model
 from polybasic.models.preflight import check_source
@@ -164,3 +165,20 @@ def test_bench_vanilla_dense_runs_the_files_weights_without_the_kernel(tiny_gguf
         ctx = methods.BenchContext(dense, None, {1}, 12, source=f"{tiny_gguf}@w4a8", dtype="bfloat16")
         assert methods.make_runner(method, ctx)(prompt, 0).tokens == list(generate_tokens(dense, prompt, 12, eos={1}))
         assert loads[-1] == (str(tiny_gguf), dtype)
+
+
+def test_a_coded_linears_weight_is_the_files_and_an_eagle_head_starts_from_it(tiny_gguf):
+    """GGUFLinear.dequantized_weight: the kernel's weights as floats (the file's, as the dense load reads them, to
+    float rounding), so an EAGLE head over a '@w4a8' target starts from its last layer and drafts over its LM
+    head's rows."""
+    needs_vnni()
+    coded = load_any_model(f"{tiny_gguf}@w4a8", "bfloat16").model
+    dense = load_model(str(tiny_gguf), "float32").model
+    for name in ("layers.1.attention.wqkv", "layers.1.feed_forward.w13", "output"):
+        got, want = coded.get_submodule(name).dequantized_weight(), dense.get_submodule(name).weight
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+    head = make_head(DrafterConfig.for_base(coded.args, draft_vocab_size=64)).init_from_base(coded).bind(coded)
+    assert torch.allclose(head.layers[0].attention.wqkv.weight, dense.layers[1].attention.wqkv.weight, atol=1e-5)
+    h = torch.randn(3, coded.args.dim)
+    ref = dense.output(dense.norm(h))[:, head.d2t]
+    assert torch.allclose(head.logits(h), ref, atol=1e-4 * ref.abs().max())

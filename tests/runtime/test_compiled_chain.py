@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from polybasic.config import QuantConfig, SamplingConfig
-from polybasic.models.eagle_head import DrafterConfig, make_head
-from polybasic.quant.api import quantize_
+from polybasic.models.eagle_head import DrafterConfig, make_head, save_head
+from polybasic.models.loader import LoadedModel
+from polybasic.quant.api import quantize_, quantized_modules
 from polybasic.runtime.chain import Chain
+from polybasic.runtime.chain_builder import parse_chain
 from polybasic.runtime.compiled import compile_levels
 from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.generate import generate_tokens
@@ -312,3 +314,27 @@ def test_a_graph_call_is_made_only_from_calls_that_show_it_safe():
     assert GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (g, [a2, w], [o2, w], (None, a2), o2)) is None
     assert GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (g, [a2, w], [o2.clone()], (None, a2), o2)) is None
     assert GraphCall.of((g, [a1, w], [o1], (None, a1), o1), (Graph(), [a2, w], [o2], (None, a2), o2)) is None
+
+
+@pytest.mark.parametrize("kernel", ["w4a8", "int4pack"])
+def test_a_head_on_4_bit_weights_drafts_losslessly(hf, tmp_path, kernel):
+    """'eagle:PATH@KERNEL': the head's decoder block rounded to 4 bits at load (fc and the draft rows as trained);
+    the chain, eager and compiled, still emits the target's greedy decoding."""
+    target = lean_from_hf(hf)
+    path = tmp_path / "head.safetensors"
+    save_head(path, head_on(target, "eagle1", seed=5))
+    eager = lean_from_hf(hf)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (11, 19)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # w4a8 where VNNI is missing: torch's int4 kernel, with a warning
+        for compiled in (False, True):
+            levels = parse_chain(f"eagle:{path}@{kernel}", LoadedModel(target, None, target.args, "tiny", tmp_path))
+            assert set(quantized_modules(levels[1].head)) == {n for n, m in levels[1].head.named_modules()
+                                                              if n.startswith("layers.") and hasattr(m, "kernel")}
+            assert type(levels[1].head.fc) is torch.nn.Linear and quantized_modules(levels[1].head)
+            if compiled:
+                compile_levels(levels, MAX_LEN, sizes=SIZES)
+            chain = Chain(levels, k=3, eos={1})
+            for prompt in prompts:
+                assert chain.generate(prompt, 30)[0] == list(generate_tokens(eager, prompt, 30, eos={1})), compiled
