@@ -215,16 +215,17 @@ def main(argv=None) -> None:
 
     from polybasic.data import DataSource
     from polybasic.drafters.data import load_pairs
-    from polybasic.models import load_model
     from polybasic.models.decoder import use_decode_layout
     from polybasic.models.eagle_head import load_head
     from polybasic.models.loader import parse_dtype
+    from polybasic.models.preflight import default_dtype
+    from polybasic.quant.api import load_any_model
     from polybasic.runtime.generate import generate_tokens
     from polybasic.runtime.text import encode_prompt, eos_ids
 
     ap = argparse.ArgumentParser(prog="python -m experiments.diagnose",
                                  description="An EAGLE head's acceptance at a greedy chain's draft starts.")
-    ap.add_argument("--model", required=True, help="the base model (any polybasic model source)")
+    ap.add_argument("--model", required=True, help="the base model (any polybasic model source, NAME@w4a8 too)")
     ap.add_argument("--dtype", default="float32", help="the base's dtype(s), comma-separated, e.g. float32,bfloat16")
     ap.add_argument("--head", required=True, help="head.safetensors")
     ap.add_argument("--data", required=True, help="Alpaca or ShareGPT records (a data source)")
@@ -239,7 +240,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     check(a.prompts >= 1, "--prompts", f"must be >= 1, got {a.prompts}", "use e.g. 20")
     check(a.k >= 1, "--k", f"must be >= 1, got {a.k}", "use e.g. 5")
-    lm = load_model(a.model, "float32", a.device)
+    lm = load_any_model(a.model, default_dtype(a.model), a.device)
     pairs = load_pairs(DataSource(a.data), None, "--data")
     off = len(pairs) - a.prompts if a.offset is None else (a.offset if a.offset >= 0 else len(pairs) + a.offset)
     chosen = pairs[max(0, off):max(0, off) + a.prompts]

@@ -194,6 +194,7 @@ class EagleHead(nn.Module):
             self.d2t = None
         object.__setattr__(self, "base", None)  # not a submodule: never saved, never trained
         object.__setattr__(self, "_draft_head", {})  # (base head, dtype, ...) -> LM head rows drafted over
+        object.__setattr__(self, "_rows", None)  # (id of the base's LM head, a module for its draft rows), see use_rows
         object.__setattr__(self, "_static", None)  # compiled steps, see compile_steps
 
     def _build(self, cfg: DrafterConfig) -> None:
@@ -413,6 +414,8 @@ class EagleHead(nn.Module):
         logits over the draft vocabulary [..., N], through its final norm and LM head (rows d2t)."""
         h = self.base.norm(hidden[..., -self.cfg.dim:])
         out = self.base.output
+        if self._rows is not None and self._rows[0] == id(out):
+            return self._rows[1](h)
         if self.d2t is None and _plain(out) and out.weight.dtype == h.dtype:
             return out(h)
         key = (id(out), h.dtype, h.device, None if self.d2t is None else (self.d2t.data_ptr(), self.d2t._version))
@@ -421,6 +424,11 @@ class EagleHead(nn.Module):
                 self._draft_head.clear()
             self._draft_head[key] = self._base_rows(h.dtype).to(h.device).contiguous()
         return torch.nn.functional.linear(h, self._draft_head[key])
+
+    def use_rows(self, module: nn.Module) -> None:
+        """Compute base_logits with `module` (a linear [E -> N] over the bound base's draft rows, e.g. on 4-bit
+        weights: quant.quantize_head) for as long as the head stays bound to that base's LM head."""
+        object.__setattr__(self, "_rows", (id(self.base.output), module))
 
     def _base_rows(self, dtype: torch.dtype) -> Tensor:
         """The base LM head's rows of the draft vocabulary [N, E] in `dtype` (a quantized head: dequantized)."""

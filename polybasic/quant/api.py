@@ -86,11 +86,18 @@ def _swap(model: nn.Module, config: QuantConfig, plan: dict[str, str], device=No
 
 
 def quantize_head(head: nn.Module, kernel: str) -> nn.Module:
-    """A drafter head's decoder blocks (`layers.*`) rounded to 4-bit weights in groups of 32 (round-to-nearest)
-    on `kernel`, in place: a head step reads a quarter of the bytes. Its fc and LM head rows stay as trained.
+    """A bound drafter head (models.eagle_head) on 4-bit weights in groups of 32 (round-to-nearest) on `kernel`, in
+    place: its decoder blocks and its draft vocabulary's LM head rows (an eagle3 head's own `lm_head`, an eagle1
+    head's rows of the base's), so a draft step reads about a quarter of the bytes; fc stays as trained.
     Lossless all the same: a chain verifies the head's drafts against the distributions it sampled them from."""
-    return quantize_(head, QuantConfig(w_bits=4, group_size=32, kernel=kernel),
-                     lambda m, fqn: fqn.startswith("layers."))
+    config = QuantConfig(w_bits=4, group_size=32, kernel=kernel)
+    quantize_(head, config, lambda m, fqn: fqn.startswith("layers.") or fqn == "lm_head")
+    if not hasattr(head, "lm_head"):  # eagle1: the base LM head's draft rows, as base_logits would run them
+        rows = head._base_rows(head.fc.weight.dtype)  # [N, E]
+        lin = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        lin.weight.data = rows
+        head.use_rows(quantize_(nn.ModuleDict({"rows": lin}), config)["rows"])
+    return head
 
 
 def quantized_modules(model: nn.Module) -> dict[str, str]:

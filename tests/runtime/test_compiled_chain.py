@@ -318,7 +318,7 @@ def test_a_graph_call_is_made_only_from_calls_that_show_it_safe():
 
 @pytest.mark.parametrize("kernel", ["w4a8", "int4pack"])
 def test_a_head_on_4_bit_weights_drafts_losslessly(hf, tmp_path, kernel):
-    """'eagle:PATH@KERNEL': the head's decoder block rounded to 4 bits at load (fc and the draft rows as trained);
+    """'eagle:PATH@KERNEL': the head's decoder block and draft rows rounded to 4 bits at load (fc as trained);
     the chain, eager and compiled, still emits the target's greedy decoding."""
     target = lean_from_hf(hf)
     path = tmp_path / "head.safetensors"
@@ -333,6 +333,11 @@ def test_a_head_on_4_bit_weights_drafts_losslessly(hf, tmp_path, kernel):
             assert set(quantized_modules(levels[1].head)) == {n for n, m in levels[1].head.named_modules()
                                                               if n.startswith("layers.") and hasattr(m, "kernel")}
             assert type(levels[1].head.fc) is torch.nn.Linear and quantized_modules(levels[1].head)
+            h = torch.randn(2, target.args.dim)
+            dense = torch.nn.functional.linear(target.norm(h), target.output.weight)  # the rows as trained
+            assert levels[1].head._rows[1].kernel in (kernel, "int4pack")  # w4a8 without VNNI: torch's int4 kernel
+            got = levels[1].head.logits(h)
+            assert not torch.equal(got, dense) and (got - dense).abs().max() < 0.1 * dense.abs().max()  # 4-bit rows
             if compiled:
                 compile_levels(levels, MAX_LEN, sizes=SIZES)
             chain = Chain(levels, k=3, eos={1})
