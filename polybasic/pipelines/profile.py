@@ -15,7 +15,6 @@ import hashlib
 import json
 from pathlib import Path
 
-from polybasic._lazy import load_entry
 from polybasic.artifacts import announce, fault_point, write_json
 from polybasic.config import SIBLING, ProfileSection, SamplingConfig
 from polybasic.drafters.data import load_pairs
@@ -23,6 +22,7 @@ from polybasic.errors import ConfigError
 from polybasic.pipelines.quantize import sibling_folder
 from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance
 from polybasic.planner.profile import CostCurve, PairProfile, Profile
+from polybasic.runtime.chain_builder import build_level
 from polybasic.runtime.chainspec import LEVEL_KINDS, named, parse_level_spec
 from polybasic.runtime.levels import ModelLevel, kv_compatible
 from polybasic.runtime.text import encode_prompt, eos_ids
@@ -32,9 +32,10 @@ OWN_HEADS = ("eagle:target", "eagle:quantized")
 
 
 def own_head(name: str) -> tuple[str, str]:
-    """'eagle:target@w4a8' -> ('eagle:target', '@w4a8') (a recipe head on a kernel); other names -> (name, '')."""
-    base, at, kernel = name.partition("@")
-    return (base, at + kernel) if base in OWN_HEADS else (name, "")
+    """'eagle:target@w4a8#2' -> ('eagle:target', '@w4a8#2') (a recipe head on a kernel, drafting trees); other
+    names -> (name, '')."""
+    base = name.partition("@")[0].partition("#")[0]
+    return (base, name[len(base):]) if base in OWN_HEADS else (name, "")
 
 
 def own_level(name: str, out: Path) -> str:
@@ -145,7 +146,7 @@ def run_stage(ctx) -> list[Path]:
     for name in names:  # bases first: an eagle head drafts on a level built before it
         spec = parse_level_spec(own_level(name, out))
         above = levels[_base_of(name)] if spec.kind == "eagle" else levels["target"]
-        levels[name] = load_entry(LEVEL_KINDS[spec.kind].builder)(spec, lm, above, lm.model.device)
+        levels[name] = build_level(spec, lm, above, lm.model.device)
         if levels[name].vocab_size is None:
             levels[name].vocab_size = levels["target"].vocab_size
     for n, lv in levels.items():  # profiled under the recipe's names: portable, unlike their file paths

@@ -65,6 +65,14 @@ def build_model(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
     return level
 
 
+def build_level(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
+    """One level by its kind's builder, drafting token trees of spec.tree_width as a bottom level
+    (Level.propose_tree); `above`: the level it sits under (an EAGLE head reads its features)."""
+    level = load_entry(LEVEL_KINDS[spec.kind].builder)(spec, target, above, device)
+    level.tree_width = spec.tree_width
+    return level
+
+
 def build_chain(spec: ChainSpec, target: LoadedModel, device: str | torch.device | None = None,
                 flag: str = "chain", cache: dict[str, Level] | None = None) -> list[Level]:
     """Target level first, then the spec's levels, every one on `device` (default: the target's, where
@@ -86,8 +94,7 @@ def build_chain(spec: ChainSpec, target: LoadedModel, device: str | torch.device
         key = "+".join(x.name for x in spec.levels[:i + 1]) if LEVEL_KINDS[lv.kind].drafts_on_features else lv.name
         if key not in cache:
             with named(f"{flag}: level '{lv.name}'"):
-                cache[key] = load_entry(LEVEL_KINDS[lv.kind].builder)(lv, target, levels[-1], device)
-                cache[key].tree_width = lv.tree_width  # as the bottom level: token trees (Level.propose_tree)
+                cache[key] = build_level(lv, target, levels[-1], device)
         levels.append(cache[key])
     return levels
 
