@@ -7,7 +7,7 @@ import yaml
 
 from polybasic.config import Recipe, dump_recipe, from_dict, load_recipe, shipped_recipes
 from polybasic.data import DEFAULT_DATA, DataSource
-from polybasic.data.catalog import shipped_path
+from polybasic.data.catalog import SHIPPED, SPEC_BENCH, shipped_path
 from polybasic.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,5 +72,6 @@ def test_defaults_find_the_shipped_data_from_any_folder(tmp_path, monkeypatch):
 def test_shipped_recipes_name_the_shipped_data(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = load_recipe(name)  # by name, from a folder that is not the checkout
-    for data in (r.quantize.data, r.distill.data, r.profile.data):
-        assert data.path == "alpaca-1000" and data.local_path() == shipped_path("alpaca-1000")
+    for data in (r.quantize.data, r.distill.data, r.profile.data):  # a shipped set, found in the package
+        assert data.path in SHIPPED and data.path != SPEC_BENCH and data.local_path() == shipped_path(data.path)
+        assert data.local_path().is_file()
