@@ -403,6 +403,7 @@ class EagleHead(nn.Module):
               f"needs {self.cfg.draft_vocab_size} ids, got {tuple(ids.shape)}", "match draft_vocab_size")
         check(ids.unique().numel() == ids.numel(), "draft vocabulary", "has duplicate ids", "pass distinct ids")
         self.d2t.copy_(ids)
+        object.__setattr__(self, "_rows", None)  # rows of the old vocabulary (use_rows)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The head's outputs [..., E] -> draft logits [..., N] (N = V, or the draft vocabulary's rows):
@@ -422,7 +423,7 @@ class EagleHead(nn.Module):
         if key not in self._draft_head:  # build the rows once per dtype, not per call
             if len(self._draft_head) >= 4:
                 self._draft_head.clear()
-            self._draft_head[key] = self._base_rows(h.dtype).to(h.device).contiguous()
+            self._draft_head[key] = self.draft_rows(h.dtype).to(h.device).contiguous()
         return torch.nn.functional.linear(h, self._draft_head[key])
 
     def use_rows(self, module: nn.Module) -> None:
@@ -430,7 +431,7 @@ class EagleHead(nn.Module):
         weights: quant.quantize_head) for as long as the head stays bound to that base's LM head."""
         object.__setattr__(self, "_rows", (id(self.base.output), module))
 
-    def _base_rows(self, dtype: torch.dtype) -> Tensor:
+    def draft_rows(self, dtype: torch.dtype) -> Tensor:
         """The base LM head's rows of the draft vocabulary [N, E] in `dtype` (a quantized head: dequantized)."""
         out = self.base.output
         w = out.weight if _plain(out) else out.dequantized_weight(dtype)
@@ -519,7 +520,7 @@ class Eagle3Head(EagleHead):
         set_draft_vocab)."""
         self.bind(base)
         self.norm.weight.copy_(base.norm.weight.to(self.norm.weight.dtype))
-        self.lm_head.weight.copy_(self._base_rows(torch.float32).to(self.lm_head.weight.dtype))
+        self.lm_head.weight.copy_(self.draft_rows(torch.float32).to(self.lm_head.weight.dtype))
         return self
 
     def _step(self, tokens: Tensor, feats: Tensor, pos: int | Tensor, mask: Tensor | None,

@@ -93,7 +93,7 @@ def quantize_head(head: nn.Module, kernel: str) -> nn.Module:
     config = QuantConfig(w_bits=4, group_size=32, kernel=kernel)
     quantize_(head, config, lambda m, fqn: fqn.startswith("layers.") or fqn == "lm_head")
     if not hasattr(head, "lm_head"):  # eagle1: the base LM head's draft rows, as base_logits would run them
-        rows = head._base_rows(head.fc.weight.dtype)  # [N, E]
+        rows = head.draft_rows(head.fc.weight.dtype)  # [N, E]
         lin = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
         lin.weight.data = rows
         head.use_rows(quantize_(nn.ModuleDict({"rows": lin}), config)["rows"])

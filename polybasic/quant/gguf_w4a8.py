@@ -126,11 +126,11 @@ class GGUFLinear(nn.Module):
         """The weight [out, in] in `dtype`, as the kernel multiplies it up to float rounding: the kernel run on
         rows of the identity (their int8 activations are exact), `chunk` rows a call. For a drafter head's start
         and its draft rows (models.eagle_head), where a weight's last bit does not matter."""
-        dev = getattr(self, "tiles0").device
+        dev = self.tiles0.device
+        eye = torch.eye(self.in_features, dtype=torch.float32, device=dev)  # [in, in]
         out = torch.empty(self.in_features, self.out_features, dtype=dtype, device=dev)  # [in, out] = W^T
         for a in range(0, self.in_features, chunk):
-            eye = torch.eye(self.in_features, dtype=torch.float32, device=dev)[a:a + chunk]  # [c, in]
-            out[a:a + chunk] = torch.cat([w4a8.mm(eye, getattr(self, f"tiles{i}"), bits)
+            out[a:a + chunk] = torch.cat([w4a8.mm(eye[a:a + chunk], getattr(self, f"tiles{i}"), bits)
                                           for i, bits in enumerate(self.bits)], -1).to(dtype)
         return out.T.contiguous()
 
