@@ -105,8 +105,9 @@ def _plain(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _md(head: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+    cell = lambda c: c.replace("|", "\\|")  # noqa: E731  a chain's 'LEVEL|ngram' inside a cell
+    out = ["| " + " | ".join(map(cell, head)) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(out + ["| " + " | ".join(map(cell, r)) + " |" for r in rows])
 
 
 def text_table(doc: dict) -> str:

@@ -434,8 +434,9 @@ class EagleHead(nn.Module):
     def draft_rows(self, dtype: torch.dtype) -> Tensor:
         """The base LM head's rows of the draft vocabulary [N, E] in `dtype` (a quantized head: dequantized)."""
         out = self.base.output
-        w = out.weight if _plain(out) else out.dequantized_weight(dtype)
-        return (w if self.d2t is None else w[self.d2t]).to(dtype)
+        if _plain(out):
+            return (out.weight if self.d2t is None else out.weight[self.d2t]).to(dtype)
+        return out.dequantized_weight(dtype, rows=self.d2t).to(dtype)  # a coded one runs the draft rows' tiles only
 
     def to_full(self, probs: Tensor) -> Tensor:
         """Draft-vocabulary probabilities [..., N] -> full-vocabulary [..., V] (zero elsewhere)."""

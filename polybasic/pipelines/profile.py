@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from polybasic.artifacts import announce, fault_point, write_json
@@ -32,9 +33,9 @@ OWN_HEADS = ("eagle:target", "eagle:quantized")
 
 
 def own_head(name: str) -> tuple[str, str]:
-    """'eagle:target@w4a8#2' -> ('eagle:target', '@w4a8#2') (a recipe head on a kernel, drafting trees); other
-    names -> (name, '')."""
-    base = name.partition("@")[0].partition("#")[0]
+    """'eagle:target@w4a8#2' -> ('eagle:target', '@w4a8#2') (a recipe head on a kernel, drafting trees; '|ngram':
+    with prompt lookup); other names -> (name, '')."""
+    base = re.split(r"[@#|]", name)[0]
     return (base, name[len(base):]) if base in OWN_HEADS else (name, "")
 
 
@@ -119,7 +120,14 @@ def _files(spelling: str) -> list:
     """(path, bytes, mtime) of every file a level spelling names, so a cached measurement of a level
     is not reused after its file was rewritten (a re-quantized copy, a retrained head)."""
     parts = {p for piece in spelling.split("+") for p in (piece, piece.partition(":")[2]) if p}
+    parts |= {_bare_path(p) for p in parts}
     return sorted((p, Path(p).stat().st_size, Path(p).stat().st_mtime_ns) for p in parts if Path(p).is_file())
+
+
+def _bare_path(spelling: str) -> str:
+    """'PATH.safetensors@KERNEL#W|ngram' -> PATH.safetensors: a level's file without its kernel, width and lookup."""
+    path = re.split(r"[#|]", spelling)[0]
+    return path.rpartition("@")[0] if path.rpartition("@")[0].endswith(".safetensors") else path
 
 
 def _cached(work: Path, key: str, what: str, measure, to_dict, from_dict):

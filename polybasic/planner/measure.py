@@ -21,6 +21,7 @@ from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
 from polybasic.runtime.sampling import make_generator
 from polybasic.runtime.stats import LinkStats, counts
+from polybasic.runtime.with_lookup import drafting
 
 
 def medians_ms(fns: Sequence[Callable[[], object]], device: torch.device | str = "cpu", reps: int = 10,
@@ -41,7 +42,8 @@ def medians_ms(fns: Sequence[Callable[[], object]], device: torch.device | str =
 
 
 def level_kind(level: Level) -> str:
-    """The planner's kind of a runtime level: model | eagle | ngram."""
+    """The planner's kind of a runtime level: model | eagle | ngram (a WithLookup: its drafter's)."""
+    level = drafting(level)
     if isinstance(level, ModelLevel):
         return "model"
     if isinstance(level, NGramLevel):
@@ -53,6 +55,7 @@ def level_kind(level: Level) -> str:
 
 
 def _device(level: Level) -> torch.device:
+    level = drafting(level)
     if isinstance(level, ModelLevel):
         return torch.device(level.model.device)
     if isinstance(level, EagleLevel):
@@ -70,6 +73,7 @@ def cost_curve(level, tokens: Iterable[int] = range(1, 7), context: int = 256, r
     the distribution of its last row; an n-gram lookup of M tokens."""
     if not isinstance(level, Level):
         level = ModelLevel(level, "model")
+    level = drafting(level)  # a drafter with prompt lookup: the lookup's microseconds are not timed
     ms = sorted(set(tokens))
     check(bool(ms) and ms[0] >= 1, "tokens", f"must be token counts >= 1, got {ms}", "e.g. range(1, k + 2)")
     check(context >= 2, "context", f"must be >= 2, got {context}", "e.g. 256")

@@ -186,7 +186,8 @@ def render_markdown(p: Plan) -> str:
              "| Thm 3.2 exact | Thm 3.2 paper |",
              "|---|---|---|---|---|---|---|---|---|"]
     for n, r in enumerate(p.rows, 1):
-        lines.append(f"| {n} | `{r.spec}` | {r.k} | {','.join(map(str, r.thresholds)) or '-'} | {r.tau:.2f} "
+        spec = r.spec.replace("|", "\\|")  # a chain's 'LEVEL|ngram' inside a cell
+        lines.append(f"| {n} | `{spec}` | {r.k} | {','.join(map(str, r.thresholds)) or '-'} | {r.tau:.2f} "
                      f"| {r.speedup:.2f}x | {r.speedup_lemma:.2f}x | {_verdict_cell(r.verdicts, 'exact')} "
                      f"| {_verdict_cell(r.verdicts, 'paper')} |")
     return "\n".join(lines) + "\n"

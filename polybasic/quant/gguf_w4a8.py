@@ -122,17 +122,32 @@ class GGUFLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32, chunk: int = 256) -> Tensor:
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32, chunk: int = 256,
+                           rows: Tensor | None = None) -> Tensor:
         """The weight [out, in] in `dtype`, as the kernel multiplies it up to float rounding: the kernel run on
         rows of the identity (their int8 activations are exact), `chunk` rows a call. For a drafter head's start
-        and its draft rows (models.eagle_head), where a weight's last bit does not matter."""
+        and its draft rows (models.eagle_head), where a weight's last bit does not matter. rows: only these output
+        rows [R] -> [R, in]; only the tiles of 16 rows that hold them run (a draft vocabulary's rows of an LM head)."""
         dev = self.tiles0.device
+        parts, made, lo = [], [], 0  # (tiles, bits) to run; the output rows they make
+        for i, bits in enumerate(self.bits):
+            tiles = getattr(self, f"tiles{i}")  # [n / 16, bytes]: each tile of 16 rows stands alone
+            n = tiles.shape[0] * w4a8.TILE
+            ids = torch.arange(tiles.shape[0], device=dev) if rows is None else torch.unique(
+                (rows[(rows >= lo) & (rows < lo + n)] - lo) // w4a8.TILE)
+            parts.append((tiles if rows is None else tiles.index_select(0, ids), bits))
+            made.append(lo + (ids[:, None] * w4a8.TILE + torch.arange(w4a8.TILE, device=dev)).flatten())
+            lo += n
         eye = torch.eye(self.in_features, dtype=torch.float32, device=dev)  # [in, in]
-        out = torch.empty(self.in_features, self.out_features, dtype=dtype, device=dev)  # [in, out] = W^T
+        out = torch.empty(self.in_features, sum(len(m) for m in made), dtype=dtype, device=dev)  # [in, made] = W^T
         for a in range(0, self.in_features, chunk):
-            out[a:a + chunk] = torch.cat([w4a8.mm(eye[a:a + chunk], getattr(self, f"tiles{i}"), bits)
-                                          for i, bits in enumerate(self.bits)], -1).to(dtype)
-        return out.T.contiguous()
+            out[a:a + chunk] = torch.cat([w4a8.mm(eye[a:a + chunk], t, bits) for t, bits in parts], -1).to(dtype)
+        if rows is None:
+            return out.T.contiguous()
+        at = torch.empty(self.out_features, dtype=torch.long, device=dev)
+        made_rows = torch.cat(made)
+        at[made_rows] = torch.arange(len(made_rows), device=dev)  # output row -> its column of `out`
+        return out.T[at[rows]].contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"

@@ -120,9 +120,10 @@ class QuantLinear(nn.Module):
         """Signed integer codes [out, in] int8."""
         return unpack_int4(self.qweight) if self.w_bits == 4 else self.qweight
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight this module represents, [out, in] (the reference for every kernel)."""
-        return dequantize_weight(self.codes(), self.scale, self.zero, dtype)
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32, rows: Tensor | None = None) -> Tensor:
+        """The weight this module represents, [out, in] (the reference for every kernel); rows: only these [R]."""
+        w = dequantize_weight(self.codes(), self.scale, self.zero, dtype)
+        return w if rows is None else w[rows]
 
     def prepare(self) -> None:
         """Rebuild kernel-specific buffers from the portable state (no-op on the meta device)."""

@@ -19,6 +19,7 @@ from polybasic.quant.linear import keep_dense_for_prefill
 from polybasic.runtime.chainspec import LEVEL_KINDS, ChainSpec, LevelSpec, check_chain_files, named, parse_chain_spec
 from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
+from polybasic.runtime.with_lookup import WithLookup
 
 
 def build_ngram(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
@@ -67,9 +68,11 @@ def build_model(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
 
 def build_level(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
     """One level by its kind's builder, drafting token trees of spec.tree_width as a bottom level
-    (Level.propose_tree); `above`: the level it sits under (an EAGLE head reads its features)."""
+    (Level.propose_tree), with prompt lookup's continuation merged in where spec.lookup is set; `above`: the level it sits under (an EAGLE head reads its features)."""
     level = load_entry(LEVEL_KINDS[spec.kind].builder)(spec, target, above, device)
     level.tree_width = spec.tree_width
+    if spec.lookup:  # its trees also hold prompt lookup's continuation
+        level = WithLookup(level, NGramLevel(max_ngram=spec.lookup, name=f"ngram:{spec.lookup}"), name=spec.name)
     return level
 
 

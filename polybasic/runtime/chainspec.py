@@ -8,7 +8,8 @@ None of them imports torch or loads a model; `runtime.chain_builder.build_chain`
 The spelling is '+'-separated levels, top to bottom, optionally after 'target+'; each level kind
 (LEVEL_KINDS: eagle:PATH[@KERNEL], ngram[:N][/W], PATH.safetensors[@KERNEL], target@DTYPE, SOURCE[@DTYPE], tried in this order)
 parses its own form, and CHAIN_FORMS lists them for help texts. Example: 'target@bfloat16+ngram'. A drafting level
-(every kind but ngram) spelled LEVEL#W drafts token trees of W candidates per depth as the chain's bottom level.
+(every kind but ngram) spelled LEVEL#W drafts token trees of W candidates per depth as the chain's bottom level, and
+spelled LEVEL|ngram[:N] drafts trees that also hold prompt lookup's continuation (runtime.with_lookup).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class LevelSpec:
     max_ngram: int = 3  # ngram: longest n-gram looked up in the context
     tree_width: int = 1  # as the bottom level, draft token trees (1: paths; runtime.tree_verify): ngram, of this
     # many leaves (its best matches); a drafting model or head, of this many candidates per depth (spelled LEVEL#W)
+    lookup: int = 0  # as the bottom level, a drafting level (every kind but ngram) whose trees also hold prompt
+    # lookup's continuation, n-grams of at most this many tokens (runtime.with_lookup; 0: none), spelled LEVEL|ngram[:N]
     name: str = ""  # default: the canonical spelling
 
     def __post_init__(self) -> None:
@@ -46,14 +49,18 @@ class LevelSpec:
             raise ConfigError(f"kind: unknown level kind '{self.kind}'; use one of {', '.join(LEVEL_KINDS)}")
         check_tree_width(self.tree_width, f"'{self.kind}': tree_width", "e.g. ngram:3/4 or runs/copy/model.safetensors#2")
         LEVEL_KINDS[self.kind].validate(self)
+        _check_lookup(self)
         if not self.name:
-            object.__setattr__(self, "name", LEVEL_KINDS[self.kind].spell(self) + _width_suffix(self))
+            object.__setattr__(self, "name", LEVEL_KINDS[self.kind].spell(self) + _width_suffix(self)
+                               + (f"|ngram:{self.lookup}" if self.lookup else ""))
 
     def to_dict(self) -> dict:
         """{'kind', the kind's own fields (and a tree width above 1), 'name'}: JSON-able."""
         d = asdict(self)
         width = {"tree_width": self.tree_width} if _width_suffix(self) else {}
-        return {"kind": self.kind, **{f: d[f] for f in LEVEL_KINDS[self.kind].fields}, **width, "name": self.name}
+        lookup = {"lookup": self.lookup} if self.lookup else {}
+        return {"kind": self.kind, **{f: d[f] for f in LEVEL_KINDS[self.kind].fields}, **width, **lookup,
+                "name": self.name}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LevelSpec":
@@ -62,7 +69,7 @@ class LevelSpec:
         kind = d.get("kind")
         if kind not in LEVEL_KINDS:
             raise ConfigError(f"kind: unknown level kind {kind!r}; use one of {', '.join(LEVEL_KINDS)}")
-        unknown = set(d) - {"kind", "name", "tree_width", *LEVEL_KINDS[kind].fields}
+        unknown = set(d) - {"kind", "name", "tree_width", "lookup", *LEVEL_KINDS[kind].fields}
         if unknown:
             raise ConfigError(f"'{kind}' level: unknown fields {sorted(unknown)}; a '{kind}' level has "
                               f"{', '.join(LEVEL_KINDS[kind].fields) or 'no fields'}")
@@ -142,6 +149,14 @@ def check_tree_width(width, field: str = "tree_width", fix: str = "1 drafts path
 def _width_suffix(spec: LevelSpec) -> str:
     """'#W' for a tree width above 1 of a kind that does not spell it itself (every kind but ngram), else ''."""
     return f"#{spec.tree_width}" if spec.tree_width > 1 and "tree_width" not in LEVEL_KINDS[spec.kind].fields else ""
+
+
+def _check_lookup(spec: LevelSpec) -> None:
+    check(isinstance(spec.lookup, int) and not isinstance(spec.lookup, bool) and spec.lookup >= 0,
+          f"'{spec.kind}': lookup", f"must be an integer >= 0, got {spec.lookup!r}", "e.g. 3 (spelled LEVEL|ngram:3)")
+    if spec.lookup and spec.kind == "ngram":
+        raise ConfigError(f"'{spec.kind}': lookup joins prompt lookup to a drafting level's trees; an n-gram level "
+                          "is prompt lookup already (use ngram:N/W for its trees)")
 
 
 def _parse_ngram(item: str) -> LevelSpec | None:
@@ -267,7 +282,8 @@ CHAIN_FORMS = "\n".join(textwrap.fill(f"{k.form:<17} {k.summary}; e.g. {k.exampl
 CHAIN_HELP = ("A chain is the levels below the target, top to bottom, '+'-separated (optionally\n"
               "after 'target+'); each level is one of:\n" + CHAIN_FORMS +
               "\nA bottom level spelled LEVEL#W (any kind but ngram, whose /W counts leaves) drafts token trees of W\n"
-              "candidates per depth, verified in one forward. "
+              "candidates per depth, verified in one forward; LEVEL|ngram[:N] drafts trees that also hold prompt\n"
+              "lookup's continuation (e.g. eagle:runs/x/head.safetensors@w4a8|ngram). "
               "Example: target@bfloat16+ngram (the target <- its bf16 copy <- prompt lookup)")
 
 
@@ -285,6 +301,13 @@ def parse_level_spec(item: str) -> LevelSpec:
     item = item.strip()
     if not item:
         raise ConfigError("empty level name (two '+' in a row?); spell levels like 'target@bf16+ngram'")
+    drafter, bar, lookup = item.rpartition("|")
+    if bar:  # LEVEL|ngram[:N]: a drafting level's trees with prompt lookup's continuation merged in
+        look = parse_level_spec(lookup)
+        if look.kind != "ngram" or look.tree_width > 1 or not drafter:
+            raise ConfigError(f"'{item}': after '|' comes prompt lookup, ngram or ngram:N, after a drafting level, "
+                              "e.g. eagle:runs/x/head.safetensors|ngram:3")
+        return replace(parse_level_spec(drafter), lookup=look.max_ngram, name=item)
     base, hash_, width = item.rpartition("#")
     if hash_:  # LEVEL#W: a drafting level's token trees, W candidates per depth
         if not width.isdigit() or not base:

@@ -11,6 +11,7 @@ from polybasic.models.static import covering, up_to
 
 from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import Level, ModelLevel
+from polybasic.runtime.with_lookup import drafting
 
 
 def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | None = None, sizes=None,
@@ -31,12 +32,12 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
     compiled steps from inductor's cache). Model-free levels are left as they are."""
     t0 = time.perf_counter()
     models, most = [], {}  # the model levels' models (target first), and the most rows each scores in a call
-    for i, lvl in enumerate(levels):
+    for i, lvl in enumerate(map(drafting, levels)):
         if isinstance(lvl, ModelLevel):
             if all(lvl.model is not m for m in models):
                 models.append(lvl.model)
             most[id(lvl.model)] = max(most.get(id(lvl.model), 0), rows[i] if i < len(rows) else 2)
-    heads = [lvl for lvl in levels if isinstance(lvl, EagleLevel)]
+    heads = [drafting(lvl) for lvl in levels if isinstance(drafting(lvl), EagleLevel)]
     progress = _Progress(notify, t0)
     for m in models:
         own = sizes if not rows or decode else up_to(covering(sizes, [most[id(m)]], m.device), most[id(m)])

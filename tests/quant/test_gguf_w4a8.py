@@ -177,6 +177,8 @@ def test_a_coded_linears_weight_is_the_files_and_an_eagle_head_starts_from_it(ti
     for name in ("layers.1.attention.wqkv", "layers.1.feed_forward.w13", "output"):
         got, want = coded.get_submodule(name).dequantized_weight(), dense.get_submodule(name).weight
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+        rows = torch.tensor([5, 0, 17, 16, want.shape[0] - 1, 5])  # any order, repeats, across tiles and parts
+        assert torch.equal(coded.get_submodule(name).dequantized_weight(rows=rows), got[rows]), name
     head = make_head(DrafterConfig.for_base(coded.args, draft_vocab_size=64)).init_from_base(coded).bind(coded)
     assert torch.allclose(head.layers[0].attention.wqkv.weight, dense.layers[1].attention.wqkv.weight, atol=1e-5)
     h = torch.randn(3, coded.args.dim)

@@ -1,0 +1,76 @@
+"""WithLookup: a drafting level whose every draft is a token tree that also holds prompt lookup's continuation.
+
+A model or EAGLE head drafts well where text is new; prompt lookup (NGramLevel) drafts long runs for free where the
+output repeats the context (code edits, extraction, summaries). Neither wins everywhere, so this level drafts both
+into one tree: the drafter's path (or its own tree, tree_width > 1), then the n-gram continuation merged into it,
+sharing the nodes whose tokens agree. The level above scores the tree in one forward (T(M) grows slowly in M) and
+keeps the longest verified path: each verification accepts at least what the better of the two would have alone.
+
+Lossless (runtime.tree_verify): at a node, the drafter's children come first, each with the distribution it was
+drawn from; the n-gram child (a token that none of them has) comes last, one-hot. The n-gram token depends on the
+context only, never on the drafter's draws or the verifier's coins, so after the drafter's children are rejected
+(r: the residual left), trying it accepts with probability r(x) and otherwise samples r with x removed,
+renormalized: an exact sample of r. Greedy: the path that follows the verifier's argmax, as every tree.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from polybasic.config import SamplingConfig
+from polybasic.runtime.levels import Level, NGramLevel, one_hot
+
+
+class WithLookup(Level):
+    """`drafter`'s trees (its path where its tree_width is 1) with `lookup`'s best continuation merged in. It takes the
+    drafter's name, tokenizer, vocabulary and counters (the n-gram lookups add their time to them); its tree_width is
+    the drafter's plus one, for the rows the verifier's steps must hold (runtime.chain.scored_rows)."""
+
+    def __init__(self, drafter: Level, lookup: NGramLevel, name: str | None = None) -> None:
+        super().__init__()
+        self.drafter, self.lookup = drafter, lookup
+        self.name = name or f"{drafter.name}|{lookup.name}"
+        self.tokenizer = drafter.tokenizer
+        self.vocab_size = drafter.vocab_size
+
+    @property
+    def tree_width(self) -> int:  # the chain verifies this level's drafts as trees
+        return self.drafter.tree_width + 1
+
+    @property
+    def base(self):
+        """The level whose features the drafter reads (an EAGLE head's), for the chain's prefill sharing."""
+        return getattr(self.drafter, "base", None)
+
+    def start(self, max_len: int) -> None:
+        self.drafter.start(max_len)
+        self.counters = self.drafter.counters
+
+    def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int],
+                     sampling: SamplingConfig = SamplingConfig(), generator: torch.Generator | None = None
+                     ) -> tuple[list[int], list[int], Tensor]:
+        """The drafter's tree (its own width: `width` less the lookup's one), then the lookup's continuation of at
+        most k tokens (cut after an EOS) merged in: shared starts once, new nodes one-hot, after the drafter's."""
+        tokens, parents, q = self.drafter.propose_tree(context, k, self.drafter.tree_width, eos, sampling, generator)
+        t0 = time.perf_counter()
+        tokens, parents, added, node = list(tokens), list(parents), [], -1
+        for t in self.lookup.lookup(context, k):
+            child = next((j for j, (a, b) in enumerate(zip(tokens, parents)) if b == node and a == t), None)
+            if child is None:  # the lookup leaves the drafter's tree here: its own nodes from now on
+                tokens.append(t)
+                parents.append(node)
+                added.append(t)
+                child = len(tokens) - 1
+            node = child
+            if t in eos:
+                break
+        self.counters.time_s += time.perf_counter() - t0
+        return tokens, parents, torch.cat((q, one_hot(added, q.shape[1], q.device).to(q)))  # [N, V]
+
+
+def drafting(level: Level) -> Level:
+    """The level that runs a model or head for `level`: its drafter for a WithLookup, else itself (what compiling and
+    timing a level act on; the lookup costs a few microseconds)."""
+    return level.drafter if isinstance(level, WithLookup) else level
