@@ -133,7 +133,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     if a.bundle:
         from polybasic.runtime.bundle import load
 
-        dec = load(a.bundle, ctx.device)
+        dec = load(a.bundle, ctx.device, verify_target=False)  # _precheck_generate checked the target
         if a.reprofile:
             from polybasic.planner.replan import reprofile
 

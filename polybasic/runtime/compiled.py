@@ -25,7 +25,8 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
     only the largest class), so that no request compiles. decode: a lone model for plain decoding,
     which runs two steps only (Transformer.warm_steps). rows: the most rows each level scores in one call
     (runtime.chain.scored_rows, target first; a model level below them, a bottom drafter, at most 2): each model
-    level compiles the sizes its calls use only (models.static.up_to). gguf: the file the target's fp32 weights
+    level compiles the sizes its calls use only (models.static.up_to), and an EAGLE head those of the rows its
+    base verifies. gguf: the file the target's fp32 weights
     were expanded from (its steps of up to gguf_codes.CODED_ROWS tokens read the block codes). notify is told
     before each step compiles, with how many are left and the time left at the pace so far. mode: the models'
     compile mode on the CPU (models.prepare.compile_for_device). Returns the seconds it took (compiling, or loading
@@ -37,13 +38,16 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
             if all(lvl.model is not m for m in models):
                 models.append(lvl.model)
             most[id(lvl.model)] = max(most.get(id(lvl.model), 0), rows[i] if i < len(rows) else 2)
-    heads = [drafting(lvl) for lvl in levels if isinstance(drafting(lvl), EagleLevel)]
+    heads = [(i, drafting(lvl)) for i, lvl in enumerate(levels) if isinstance(drafting(lvl), EagleLevel)]
     progress = _Progress(notify, t0)
     for m in models:
         own = sizes if not rows or decode else up_to(covering(sizes, [most[id(m)]], m.device), most[id(m)])
         compile_for_device(m, gguf if m is models[0] else None, flag, own, progress, mode)
-    for lvl in heads:  # binding sets the layers the base returns: before any base step compiles
-        compile_for_device(lvl.head, flag=flag, sizes=sizes, notify=progress)
+    for i, lvl in heads:  # binding sets the layers the base returns: before any base step compiles
+        # a head feeds at most the rows its base verified since its last draft (then one a draft step), and a prompt
+        own = sizes if not rows or i > len(rows) else up_to(covering(sizes, [rows[i - 1]], lvl.head.fc.weight.device),
+                                                             rows[i - 1])
+        compile_for_device(lvl.head, flag=flag, sizes=own, notify=progress)
         lvl.head.bind(lvl.base.model)
         lvl.head.setup_caches(max_len + 1)
     # each model's cache size classes, max_len's first (caches that only grow stay in it)
@@ -51,13 +55,13 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
     trees = {id(lvl.model) for lvl, below in zip(levels, levels[1:])  # the levels that verify token trees
              if isinstance(lvl, ModelLevel) and below.tree_width > 1}
     progress.total = sum(len(m.warm_calls(decode, id(m) in trees)) for m, _ in classes) + sum(
-        len(lvl.head._static.sizes) * len(_widths(lvl)) for lvl in heads)
+        len(lvl.head._static.sizes) * len(_widths(lvl)) for _, lvl in heads)
     for m, n in classes:
         m.setup_caches(n)
         m.warm_steps(decode, id(m) in trees)
     for m in models:
         m.setup_caches(max_len)  # the caches end in max_len's class
-    for lvl in heads:
+    for _, lvl in heads:
         lvl.head.warm_steps(_widths(lvl))
     return time.perf_counter() - t0
 

@@ -1,0 +1,18 @@
+"""`python -m experiments.chains_on_prompts`: compiled chains beside compiled plain decoding on a data set's last
+prompts."""
+import json
+
+from experiments import chains_on_prompts
+from tests.helpers import tiny_hf_folder
+
+
+def test_chains_run_beside_plain_decoding(tmp_path, capsys):
+    tiny_hf_folder(tmp_path / "tiny", vocab=64, hidden=128, heads=4, kv_heads=2, layers=2)  # head size 32
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"instruction": f"say {i} {i} {i}", "input": "", "output": "x"} for i in range(5)]))
+    totals = chains_on_prompts.main(["--model", str(tmp_path / "tiny"), "--data", str(data), "--prompts", "2",
+                                     "--max-new-tokens", "12", "--sizes", "1,2,4,8,64",
+                                     "--chains", "target@bfloat16:2,target@bfloat16|ngram:2"])
+    assert len(totals) == 3 and all(t["tokens"] > 0 and t["forwards"] > 0 for t in totals.values())
+    assert totals["target@bfloat16|ngram k=2"]["identical"] == 2  # a bf16 copy of a bf16 target: lossless
+    assert "| target@bfloat16\\|ngram k=2 |" in capsys.readouterr().out
