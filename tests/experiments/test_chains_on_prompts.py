@@ -16,3 +16,15 @@ def test_chains_run_beside_plain_decoding(tmp_path, capsys):
     assert len(totals) == 3 and all(t["tokens"] > 0 and t["forwards"] > 0 for t in totals.values())
     assert totals["target@bfloat16|ngram k=2"]["identical"] == 2  # a bf16 copy of a bf16 target: lossless
     assert "| target@bfloat16\\|ngram k=2 |" in capsys.readouterr().out
+
+
+def test_tree_cost_times_paths_and_trees(tmp_path, capsys):
+    """`python -m experiments.tree_cost`: compiled verifications of M rows as paths and as trees of the same rows."""
+    from experiments import tree_cost
+
+    assert tree_cost.tree_of(5) == [-1, 0, 1, 0, 3] and tree_cost.tree_of(2) == [-1, 0]
+    tiny_hf_folder(tmp_path / "tiny", vocab=64, hidden=128, heads=4, kv_heads=2, layers=2)
+    out = tree_cost.main(["--model", str(tmp_path / "tiny"), "--sizes", "1,2,4,8,64", "--rows", "1,5",
+                          "--context", "20", "--reps", "2"])
+    assert out[1]["tree_ms"] is None and out[5]["path_ms"] > 0 and out[5]["tree_ms"] > 0
+    assert "| 5 |" in capsys.readouterr().out

@@ -1,0 +1,74 @@
+"""T(M) of a target's compiled verification as paths and as token trees of the same rows: what a drafter with prompt
+lookup (a tree of its draft and the lookup's branch) costs the level that verifies it.
+
+python -m experiments.tree_cost --model qwen2.5-coder-1.5b@w4a8 --sizes 1,2,4,6,8,64 --context 300 --reps 12
+
+Each call scores M rows after a fixed context (the cache then rolled back), path and tree alternated, the median of
+--reps after 2 warm ones.
+Trees: a path of ceil(M/2) rows from the context and a branch of the rest off its first node.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from polybasic.config import SamplingConfig
+from polybasic.models.static import covering
+from polybasic.quant.api import load_any_model
+from polybasic.runtime.compiled import compile_levels
+from polybasic.runtime.levels import ModelLevel, NGramLevel
+
+
+def tree_of(m: int) -> list[int]:
+    """Parents of an m-node tree: a path of ceil(m/2) nodes and a branch of the rest below its first node."""
+    a = (m + 1) // 2
+    return list(range(-1, a - 1)) + [0 if j == 0 else a + j - 1 for j in range(m - a)]
+
+
+def main(argv: list[str] | None = None) -> dict[int, dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--sizes", default="1,2,4,6,8,64", help="compiled step sizes")
+    ap.add_argument("--rows", default="1,4,5,7", help="rows M per call (a draft of M-1 tokens)")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=12)
+    a = ap.parse_args(argv)
+    lm = load_any_model(a.model, a.dtype, "cpu")
+    target = ModelLevel(lm.model, "target")
+    rows = [int(r) for r in a.rows.split(",")]
+    tree_drafter = NGramLevel(tree_width=2)  # stands for any bottom level that drafts trees: tree steps compiled too
+    compile_levels([target, tree_drafter], a.context + max(rows) + 2, lm.gguf_file,
+                   covering(tuple(int(s) for s in a.sizes.split(",")), [max(rows)], lm.model.device), rows=[max(rows)])
+    vocab = lm.args.vocab_size
+    ctx = [(7919 * i) % (vocab - 2) + 2 for i in range(a.context)]
+    sampling = SamplingConfig()
+    target.start(a.context + max(rows) + 2)
+    target.score(ctx, [], sampling)
+
+    def once(draft: list[int], parents: list[int] | None) -> float:
+        t0 = time.perf_counter()
+        target.score(ctx, draft, sampling, parents=parents)
+        if parents is not None:
+            target.keep_path(ctx, draft, parents, [])
+        else:
+            target.cached = list(ctx)
+        return (time.perf_counter() - t0) * 1e3
+
+    out = {}
+    print(f"{a.model}, context {a.context}, compiled sizes {a.sizes}, median of {a.reps} (path and tree alternated)")
+    print("| rows M | path | tree |\n|---|---|---|")
+    for m in rows:
+        draft = [(31 * j) % (vocab - 2) + 2 for j in range(m - 1)]
+        shapes = [None] + ([tree_of(m - 1)] if m > 2 else [])
+        times = [[once(draft, parents) for parents in shapes] for _ in range(a.reps + 2)][2:]
+        medians = [statistics.median(t[i] for t in times) for i in range(len(shapes))]
+        out[m] = {"path_ms": medians[0], "tree_ms": medians[1] if len(medians) > 1 else None}
+        tree = f"{out[m]['tree_ms']:.1f} ms" if out[m]["tree_ms"] is not None else "-"
+        print(f"| {m} | {out[m]['path_ms']:.1f} ms | {tree} |")
+    return out
+
+
+if __name__ == "__main__":
+    main()
