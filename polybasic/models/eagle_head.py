@@ -433,9 +433,10 @@ class EagleHead(nn.Module):
 
     def draft_rows(self, dtype: torch.dtype) -> Tensor:
         """The base LM head's rows of the draft vocabulary [N, E] in `dtype` (a quantized head: dequantized)."""
-        out = self.base.output
-        if _plain(out):
-            return (out.weight if self.d2t is None else out.weight[self.d2t]).to(dtype)
+        out, emb = self.base.output, self.base.tok_embeddings
+        w = out.weight if _plain(out) else emb.weight if self.base.args.tie_embeddings and _plain(emb) else None
+        if w is not None:  # a tied quantized LM head's rows are its embedding's, which stays float (to rounding)
+            return (w if self.d2t is None else w[self.d2t]).to(dtype)
         return out.dequantized_weight(dtype, rows=self.d2t).to(dtype)  # a coded one runs the draft rows' tiles only
 
     def to_full(self, probs: Tensor) -> Tensor:

@@ -183,4 +183,11 @@ def test_a_coded_linears_weight_is_the_files_and_an_eagle_head_starts_from_it(ti
     assert torch.allclose(head.layers[0].attention.wqkv.weight, dense.layers[1].attention.wqkv.weight, atol=1e-5)
     h = torch.randn(3, coded.args.dim)
     ref = dense.output(dense.norm(h))[:, head.d2t]
-    assert torch.allclose(head.logits(h), ref, atol=1e-4 * ref.abs().max())
+    assert coded.args.tie_embeddings  # its draft rows: the float embedding's (bf16 here), not the codes'
+    assert torch.allclose(head.draft_rows(torch.float32), coded.tok_embeddings.weight[head.d2t].float())
+    assert torch.allclose(head.logits(h), ref, atol=1e-2 * ref.abs().max())  # bf16 rows
+    object.__setattr__(coded.args, "tie_embeddings", False)  # untied: the rows of the LM head's own codes
+    try:
+        assert torch.allclose(head.draft_rows(torch.float32), dense.output.weight[head.d2t], atol=1e-5)
+    finally:
+        object.__setattr__(coded.args, "tie_embeddings", True)
