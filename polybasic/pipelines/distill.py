@@ -6,7 +6,8 @@ learn from the same token sequences (the target's answers, plus the dataset's re
 when `references` is on); each learns from its own base's features.
 
 Outputs in <out_dir>/distill, all written atomically (every step resumes: finished files are
-reused, never rewritten; a rerun removes the temp files of a killed run and prints what it reused):
+reused, never rewritten, but a feature shard made from other samples is made again; a rerun removes the temp
+files of a killed run and prints what it reused):
   samples.jsonl               token sequences, {"tokens": [...], "n_prompt": int} per line
   samples/                    the generation's shards, one per batch (prompts-*, answers-*.jsonl),
                               and inputs.json, the settings they were made with
@@ -130,14 +131,18 @@ def _with_features(base, samples: list[Sample], sec: DistillSection, folder: Pat
         announce(f"reused: {len(done)} feature shard(s) from {folder}")
     out = []
     for k in range(0, len(samples), SHARD):
-        path = folder / f"shard-{k // SHARD:05d}.safetensors"
-        if not path.is_file():
-            part = samples[k:k + SHARD]
+        path, part = folder / f"shard-{k // SHARD:05d}.safetensors", samples[k:k + SHARD]
+        cached = load_feature_shard(path) if path.is_file() else None
+        if cached is not None and [(s.tokens, s.n_prompt) for s in cached] != [(s.tokens, s.n_prompt) for s in part]:
+            announce(f"discarded {path}: made from other samples (the answers or the data changed)")
+            cached = None
+        if cached is None:
             feats = compute_features(model, part, sec.feature_batch_tokens, progress,
                                      desc=f"features {folder.parent.name} {k // SHARD + 1}/{-(-len(samples) // SHARD)}",
                                      dtype=parse_dtype(sec.feature_dtype))  # cached as computed
             save_feature_shard(path, [Sample(s.tokens, s.n_prompt, f) for s, f in zip(part, feats)])
-        out += load_feature_shard(path)
+            cached = load_feature_shard(path)
+        out += cached
     return out
 
 

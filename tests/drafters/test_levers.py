@@ -197,7 +197,7 @@ def test_distill_plumbs_feature_residual_and_feature_dtype(tmp_path, monkeypatch
     seen = {}
 
     def fake_fit(base, dataset, head_cfg, cfg, out_dir, **kw):
-        seen["head_cfg"], seen["feats"] = head_cfg, dataset.samples[0].feats
+        seen["head_cfg"], seen["feats"], seen["samples"] = head_cfg, dataset.samples[0].feats, dataset.samples
         return None
 
     monkeypatch.setattr(distill, "fit", fake_fit)
@@ -217,3 +217,8 @@ def test_distill_plumbs_feature_residual_and_feature_dtype(tmp_path, monkeypatch
     assert seen["feats"].dtype == torch.bfloat16
     err = (seen["feats"].float() - fp32).norm() / fp32.norm()
     assert 0 < err < 0.05  # a bf16 copy's features: close, not the same
+    before = [s.tokens for s in seen["samples"]]
+    sec.max_new_tokens = 6  # longer answers: trained on the new samples' features, not the cached shard's
+    distill.run_distill(lm, sec, tmp_path / "out")
+    made = [json.loads(x)["tokens"] for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert made != before and [s.tokens for s in seen["samples"]] == made
