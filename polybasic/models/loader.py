@@ -7,7 +7,6 @@ loads read safetensors directly.
 """
 from __future__ import annotations
 
-
 import hashlib
 import json
 import logging

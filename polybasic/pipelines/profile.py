@@ -119,15 +119,9 @@ def _key(*parts) -> str:
 def _files(spelling: str) -> list:
     """(path, bytes, mtime) of every file a level spelling names, so a cached measurement of a level
     is not reused after its file was rewritten (a re-quantized copy, a retrained head)."""
-    parts = {p for piece in spelling.split("+") for p in (piece, piece.partition(":")[2]) if p}
-    parts |= {_bare_path(p) for p in parts}
+    specs = [parse_level_spec(piece) for piece in spelling.split("+")]  # a head's file behind @KERNEL, #W, |ngram
+    parts = {p for spec in specs for p in (spec.path, spec.source) if p}
     return sorted((p, Path(p).stat().st_size, Path(p).stat().st_mtime_ns) for p in parts if Path(p).is_file())
-
-
-def _bare_path(spelling: str) -> str:
-    """'PATH.safetensors@KERNEL#W|ngram' -> PATH.safetensors: a level's file without its kernel, width and lookup."""
-    path = re.split(r"[#|]", spelling)[0]
-    return path.rpartition("@")[0] if path.rpartition("@")[0].endswith(".safetensors") else path
 
 
 def _cached(work: Path, key: str, what: str, measure, to_dict, from_dict):

@@ -68,7 +68,8 @@ def build_model(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
 
 def build_level(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
     """One level by its kind's builder, drafting token trees of spec.tree_width as a bottom level
-    (Level.propose_tree), with prompt lookup's continuation merged in where spec.lookup is set; `above`: the level it sits under (an EAGLE head reads its features)."""
+    (Level.propose_tree), with prompt lookup's continuation merged in where spec.lookup is set; `above`: the
+    level it sits under (an EAGLE head reads its features)."""
     level = load_entry(LEVEL_KINDS[spec.kind].builder)(spec, target, above, device)
     level.tree_width = spec.tree_width
     if spec.lookup:  # its trees also hold prompt lookup's continuation

@@ -26,27 +26,27 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
     which runs two steps only (Transformer.warm_steps). rows: the most rows each level scores in one call
     (runtime.chain.scored_rows, target first; a model level below them, a bottom drafter, at most 2): each model
     level compiles the sizes its calls use only (models.static.up_to), and an EAGLE head those of the rows its
-    base verifies. gguf: the file the target's fp32 weights
-    were expanded from (its steps of up to gguf_codes.CODED_ROWS tokens read the block codes). notify is told
-    before each step compiles, with how many are left and the time left at the pace so far. mode: the models'
-    compile mode on the CPU (models.prepare.compile_for_device). Returns the seconds it took (compiling, or loading
-    compiled steps from inductor's cache). Model-free levels are left as they are."""
+    base verifies. gguf: the file the target's fp32 weights were expanded from (its steps of up to
+    gguf_codes.CODED_ROWS tokens read the block codes). notify is told before each step compiles, with how many are
+    left and the time left at the pace so far. mode: the models' compile mode on the CPU
+    (models.prepare.compile_for_device). Returns the seconds it took (compiling, or loading compiled steps from
+    inductor's cache). Model-free levels are left as they are; a drafter with prompt lookup is its drafter."""
     t0 = time.perf_counter()
+    drafters = [drafting(lvl) for lvl in levels]
     models, most = [], {}  # the model levels' models (target first), and the most rows each scores in a call
-    for i, lvl in enumerate(map(drafting, levels)):
+    for i, lvl in enumerate(drafters):
         if isinstance(lvl, ModelLevel):
             if all(lvl.model is not m for m in models):
                 models.append(lvl.model)
             most[id(lvl.model)] = max(most.get(id(lvl.model), 0), rows[i] if i < len(rows) else 2)
-    heads = [(i, drafting(lvl)) for i, lvl in enumerate(levels) if isinstance(drafting(lvl), EagleLevel)]
+    heads = [(i, lvl) for i, lvl in enumerate(drafters) if isinstance(lvl, EagleLevel)]
     progress = _Progress(notify, t0)
     for m in models:
-        own = sizes if not rows or decode else up_to(covering(sizes, [most[id(m)]], m.device), most[id(m)])
+        own = sizes if not rows or decode else _up_to_rows(sizes, most[id(m)], m.device)
         compile_for_device(m, gguf if m is models[0] else None, flag, own, progress, mode)
     for i, lvl in heads:  # binding sets the layers the base returns: before any base step compiles
         # a head feeds at most the rows its base verified since its last draft (then one a draft step), and a prompt
-        own = sizes if not rows or i > len(rows) else up_to(covering(sizes, [rows[i - 1]], lvl.head.fc.weight.device),
-                                                             rows[i - 1])
+        own = sizes if not rows or i > len(rows) else _up_to_rows(sizes, rows[i - 1], lvl.head.fc.weight.device)
         compile_for_device(lvl.head, flag=flag, sizes=own, notify=progress)
         lvl.head.bind(lvl.base.model)
         lvl.head.setup_caches(max_len + 1)
@@ -64,6 +64,12 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
     for _, lvl in heads:
         lvl.head.warm_steps(_widths(lvl))
     return time.perf_counter() - t0
+
+
+def _up_to_rows(sizes, rows: int, device) -> tuple[int, ...]:
+    """The step sizes a forward of at most `rows` rows (and a prompt's chunks) takes: `sizes` with `rows` added where
+    only the prefill chunk would hold it (covering), then those above it dropped (up_to)."""
+    return up_to(covering(sizes, [rows], device), rows)
 
 
 def _widths(lvl: EagleLevel) -> tuple[int, ...]:

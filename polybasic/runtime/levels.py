@@ -294,17 +294,10 @@ class NGramLevel(Level):
         """The continuations of lookup_many merged into a tree (shared starts once), the best one first: its nodes
         are 0..len-1, a path whose cache rows need no move when it is kept. One-hot distributions (deterministic)."""
         t0 = time.perf_counter()
-        tokens, parents, node_of = [], [], {}  # node_of: (parent, token) -> node
+        tokens: list[int] = []
+        parents: list[int] = []
         for cont in self.lookup_many(context, k, width):
-            node = -1
-            for t in cont:
-                if (node, t) not in node_of:
-                    node_of[node, t] = len(tokens)
-                    tokens.append(t)
-                    parents.append(node)
-                node = node_of[node, t]
-                if t in eos:
-                    break
+            graft(tokens, parents, cont, eos)
         self.counters.forwards += 1
         self.counters.time_s += time.perf_counter() - t0
         return tokens, parents, one_hot(tokens, self.vocab_size, self.device)
@@ -321,6 +314,24 @@ class NGramLevel(Level):
         self.counters.forwards += 1
         self.counters.time_s += time.perf_counter() - t0
         return tokens, one_hot(tokens, self.vocab_size, self.device)
+
+
+def graft(tokens: list[int], parents: list[int], path: list[int], eos: frozenset[int]) -> list[int]:
+    """Merge `path` (tokens after the context, cut after an EOS) into the token tree (tokens, parents; -1: a child of
+    the context), in place: the nodes it shares with the tree once (a node's children are distinct tokens), the rest
+    appended, after the tree's nodes. -> the appended nodes' tokens."""
+    node_of = {(p, t): j for j, (t, p) in enumerate(zip(tokens, parents))}  # (parent, token) -> node
+    node, added = -1, []
+    for t in path:
+        if (node, t) not in node_of:
+            node_of[node, t] = len(tokens)
+            tokens.append(t)
+            parents.append(node)
+            added.append(t)
+        node = node_of[node, t]
+        if t in eos:
+            break
+    return added
 
 
 def one_hot(tokens: list[int], vocab_size: int, device=None) -> Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from polybasic.config import SamplingConfig
-from polybasic.runtime.levels import Level, NGramLevel, one_hot
+from polybasic.runtime.levels import Level, NGramLevel, graft, one_hot
 
 
 class WithLookup(Level):
@@ -55,17 +55,8 @@ class WithLookup(Level):
         most k tokens (cut after an EOS) merged in: shared starts once, new nodes one-hot, after the drafter's."""
         tokens, parents, q = self.drafter.propose_tree(context, k, self.drafter.tree_width, eos, sampling, generator)
         t0 = time.perf_counter()
-        tokens, parents, added, node = list(tokens), list(parents), [], -1
-        for t in self.lookup.lookup(context, k):
-            child = next((j for j, (a, b) in enumerate(zip(tokens, parents)) if b == node and a == t), None)
-            if child is None:  # the lookup leaves the drafter's tree here: its own nodes from now on
-                tokens.append(t)
-                parents.append(node)
-                added.append(t)
-                child = len(tokens) - 1
-            node = child
-            if t in eos:
-                break
+        tokens, parents = list(tokens), list(parents)
+        added = graft(tokens, parents, self.lookup.lookup(context, k), eos)
         self.counters.time_s += time.perf_counter() - t0
         return tokens, parents, torch.cat((q, one_hot(added, q.shape[1], q.device).to(q)))  # [N, V]
 
