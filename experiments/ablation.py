@@ -382,9 +382,9 @@ def data_donor(p: Planned, earlier: list[Planned]) -> tuple[Planned | None, bool
     from polybasic.pipelines.distill import ANSWER_INPUTS, FEATURE_INPUTS
 
     def key(q: Planned, fields) -> str:
-        return json.dumps([q.tree["model"], {f: q.tree["distill"][f] for f in fields}], sort_keys=True)
+        return json.dumps([q.tree["model"], {f: q.tree["distill"].get(f) for f in fields}], sort_keys=True)
 
-    answers = (*ANSWER_INPUTS, "references")
+    answers = (*ANSWER_INPUTS, "references", "more_data")
     same = [q for q in earlier if key(q, answers) == key(p, answers)
             and (q.folder / "distill" / "samples.jsonl").is_file()]
     full = [q for q in same if key(q, (*answers, *FEATURE_INPUTS)) == key(p, (*answers, *FEATURE_INPUTS))]

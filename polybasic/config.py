@@ -407,6 +407,9 @@ class DistillSection:
     data: DataSource = field(default_factory=lambda: DataSource(DEFAULT_DATA))  # prompts (and reference answers)
     # to self-distill: its first `limit` records
     limit: int = 1000  # first N records
+    more_data: list[DataSource] = field(default_factory=list)  # more prompt sets, each answered in full after
+    # data's (their references too, where they have some and `references` is on); each keeps its own generation
+    # shards, so adding a set keeps the answers and features made before
     self_instruct: int = 0  # > 0: also this many prompts the target writes itself (Magpie), for diversity
     self_instruct_openings: list[str] = field(default_factory=list)  # the self-written prompts' turns begin
     # with these, in turn (task-seeded: "Summarize the following article:\n\n"; "" is a free turn)
@@ -447,6 +450,8 @@ class DistillSection:
             check(getattr(self, name) > 0, f"distill.{name}", f"must be > 0, got {getattr(self, name)}",
                   "use a positive int")
         self.data.check_not_benchmark("distill.data")
+        for i, src in enumerate(self.more_data):
+            src.check_not_benchmark(f"distill.more_data[{i}]")
         check(self.features in ("cache", "online"), "distill.features", f"is {self.features!r}",
               "use 'cache' or 'online'")
         check(bool(self.drafters) and set(self.drafters) <= set(DRAFTERS), "distill.drafters",
@@ -725,6 +730,7 @@ def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
     base = path.absolute().parent
     recipe.quantize.data = recipe.quantize.data.resolved(base)
     recipe.distill.data = recipe.distill.data.resolved(base)
+    recipe.distill.more_data = [src.resolved(base) for src in recipe.distill.more_data]
     recipe.profile.data = recipe.profile.data.resolved(base)
     if recipe.distill.quantized:
         recipe.distill.quantized = resolve_path(recipe.distill.quantized, base)

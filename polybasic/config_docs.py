@@ -43,6 +43,10 @@ def field_comments(cls) -> dict[str, str]:
     return comments
 
 
+SOURCE = "data source (a shipped name, a path or a Hub id)"
+SOURCES = "data sources (each a shipped name, a path or a Hub id)"
+
+
 def _type(tp) -> str:
     text = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
     return str(text).replace("typing.", "")
@@ -80,7 +84,9 @@ def _section(path: str, cls, out: list[str]) -> None:
             nested.append((f"{path}.{f.name}" if path else f.name, tp))
             out.append(f"| `{f.name}` | section | - | see [`{nested[-1][0]}`](#{nested[-1][0].replace('.', '')}) |")
             continue
-        kind = "data source (a shipped name, a path or a Hub id)" if hasattr(tp, "SHORTHAND") else _type(f.type)
+        inner = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+        kind = SOURCE if hasattr(tp, "SHORTHAND") else SOURCES if hasattr(inner, "SHORTHAND") \
+            else _type(f.type)
         out.append(f"| `{f.name}` | {kind} | {_default(f)} | {notes.get(f.name, '').replace('|', '/')} |")
     for sub_path, sub in nested:
         _section(sub_path, sub, out)

@@ -6,6 +6,7 @@
 | alpaca-1000 | files/alpaca_1000/alpaca_data_cleaned_1000.json | CC BY-NC 4.0 (NOTICE.md beside it) |
 | spec-bench  | files/spec_bench/question.jsonl             | Apache-2.0 (LICENSE beside it)     |
 | work-mix-48 | files/work_mix/work_mix_48.json             | Apache-2.0 (NOTICE.md beside it)   |
+| code-math-640 | files/code_math/code_math_640.json        | Apache-2.0 and PSF-2.0 (NOTICE.md beside it) |
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ SHIPPED = {
     "alpaca-1000": "alpaca_1000/alpaca_data_cleaned_1000.json",  # drafter prompts, calibration, profiling
     "spec-bench": "spec_bench/question.jsonl",  # the speed benchmark: never train on it
     "work-mix-48": "work_mix/work_mix_48.json",  # code, math and prose prompts: a profile's acceptance prompts
+    "code-math-640": "code_math/code_math_640.json",  # programming and math prompts for self-distillation
 }
 ALPACA = "alpaca-1000"
 SPEC_BENCH = "spec-bench"

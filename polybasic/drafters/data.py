@@ -81,11 +81,13 @@ def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128
             return [{"tokens": a.tokens, "n_prompt": a.n_prompt}
                     for a in generate_batch(model, [ids[i] for i in idx], max_new_tokens, sampling, eos, g)]
 
-        for i, ans in zip(idx, batch_shard(shard_dir, "answers", j, answer)):
+        made = []  # the answers generated now (a finished shard's are read, not generated)
+        for i, ans in zip(idx, batch_shard(shard_dir, "answers", j, lambda: made.append(1) or answer())):
             out[i] = Sample(ans["tokens"], ans["n_prompt"])
-            n_new += len(ans["tokens"]) - ans["n_prompt"]
+            n_new += (len(ans["tokens"]) - ans["n_prompt"]) if made else 0
         bar.update(len(idx))
-        bar.set_postfix(new_tok_s=f"{n_new / (time.perf_counter() - t0):.0f}")
+        if made:
+            bar.set_postfix(new_tok_s=f"{n_new / (time.perf_counter() - t0):.0f}")
     bar.close()
     return out
 

@@ -23,7 +23,11 @@ NOT a registered submodule: it is not checkpointed, not wrapped by DDP, never br
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -32,7 +36,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from polybasic.artifacts import announce, fault_point, torch_save
+from polybasic.artifacts import announce, fault_point, torch_save, write_json
 from polybasic.config import TrainConfig
 from polybasic.drafters.data import EpochSampler, collate
 from polybasic.errors import ConfigError, check
@@ -353,11 +357,40 @@ def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str |
     module = DistillModule(base, head_cfg, cfg, d2t)
     last = Path(out_dir) / "checkpoints" / "last.ckpt"
     loader = train_dataloader(dataset, cfg)
-    resume = resume and last.is_file()
+    resume = resume and _resumable(last, training_key(dataset.samples, head_cfg, cfg))
     if resume:
         announce(f"resumed: training of {out_dir} from {last} ({_progress(last)})")
     trainer.fit(module, loader, ckpt_path=str(last) if resume else None)
     return module
+
+
+# training settings a checkpoint may be resumed under when they change: more epochs or steps train on from it
+RESUMABLE_CHANGES = ("max_epochs", "max_steps", "checkpoint_every_n_steps", "log_every", "compile_loss")
+
+
+def training_key(samples, head_cfg: DrafterConfig, cfg: TrainConfig) -> dict:
+    """What a checkpoint's training depends on: the sequences (their tokens and prompt lengths), the head's
+    architecture, and the training settings but those in RESUMABLE_CHANGES."""
+    h = hashlib.sha256()
+    for smp in samples:
+        h.update(f"{smp.n_prompt}:{','.join(map(str, smp.tokens))};".encode())
+    train = {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES}
+    return json.loads(json.dumps({"samples": h.hexdigest(), "head": head_cfg.to_dict(), "train": train}))
+
+
+def _resumable(last: Path, key: dict) -> bool:
+    """Whether `last` (a checkpoint, maybe absent) was made from the inputs `key`. The key is kept beside it
+    (inputs.json); a checkpoint made from others (other data or settings, or before keys were kept) is moved
+    aside to stale-last.ckpt, announced, and training starts afresh."""
+    meta = last.with_name("inputs.json")
+    same = last.is_file() and meta.is_file() and json.loads(meta.read_text()) == key
+    if last.is_file() and not same:
+        with contextlib.suppress(FileNotFoundError):  # another rank of the same run moved it first
+            os.replace(last, last.with_name("stale-last.ckpt"))
+        announce(f"moved {last} to stale-last.ckpt: made from other sequences or training settings; training "
+                 "starts afresh")
+    write_json(meta, key)
+    return same
 
 
 def _progress(ckpt: Path) -> str:

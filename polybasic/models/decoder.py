@@ -143,7 +143,7 @@ class Transformer(nn.Module):
         tokens read those, 1 byte per weight instead of 4 (+~1.2 bytes per weight of memory). Returns how
         many linears read codes.
         options: inductor options (models.prepare.compile_for_device passes the device's).
-        notify: told before each first compile (default: the log).
+        notify: told before each first compile (default: the log); a later call's notify replaces an earlier one's.
         regions: on the CPU, compile one graph per size for a decoder layer, which every layer runs (and the LM head
         apart where it reads GGUF codes), the rest of a step eager (models.static: ~6x less compile time, steps
         ~3% slower); False: one graph of the whole step, as on CUDA (CUDA graphs) always.
@@ -158,6 +158,8 @@ class Transformer(nn.Module):
             # holds: its caches need not shrink to a request's size class, so a process compiles one class
             self._static.shrink &= not all(layer.attention.row_attention for layer in self.layers)
             self.max_seq_len = 0  # the next setup_caches sizes the caches for static steps
+        elif notify is not None:  # steps compiled for another caller: its later compiles are this one's
+            self._static.notify = notify
         return coded
 
     @torch.inference_mode()

@@ -296,6 +296,8 @@ class EagleHead(nn.Module):
         if self._static is None:
             object.__setattr__(self, "_static", StaticSteps(self._static_step, "the EAGLE head", sizes,
                                                             self.fc.weight.device, options, notify))
+        elif notify is not None:
+            self._static.notify = notify
 
     @torch.inference_mode()
     def warm_steps(self, widths: tuple[int, ...]) -> None:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import torch
+
+from polybasic.artifacts import write_text
 
 
 def cpu_flags() -> str:
@@ -96,6 +100,47 @@ def tag_compile_caches(library: str) -> None:
     if f"polybasic_{library}" not in mine:
         rest = [p for p in parts if p not in mine]
         config.cache_key_tag = "|".join(rest + sorted(mine | {f"polybasic_{library}"}))
+
+
+def trust_probed_vec_isa(cache_dir: Path | None = None) -> bool:
+    """Let inductor skip its probes of the CPU's vector ISAs where they have all passed before; returns whether it will.
+
+    Before its first CPU compile, every process builds a test library for each ISA the CPU's flags name and loads it
+    in a child Python (~0.15 s apiece; ~0.9 s of each process's first call on an AVX-512 CPU). A marker file in the
+    kernel cache, keyed by torch's version, the Python, the compiler binary and the CPU's flags, records that every
+    probe passed here; a process that finds it sets inductor's config.cpp.vec_isa_ok instead of probing, which picks
+    the same ISA (the best the flags name). Where a probe fails, no marker is written and every process probes, as
+    without this. A vec_isa_ok the user set is left as it is."""
+    from torch._inductor import config  # start-up time: only a compiling process imports inductor
+
+    if config.cpp.vec_isa_ok is not None:
+        return bool(config.cpp.vec_isa_ok)
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or ""
+    stat = os.stat(cxx) if cxx else None
+    key = hashlib.sha256("\0".join([torch.__version__, sys.executable, cxx, str(stat and stat.st_size),
+                                    str(stat and stat.st_mtime_ns), cpu_flags()]).encode()).hexdigest()[:16]
+    marker = (cache_dir or cache_root()) / f"vec-isa-{key}.ok"
+    if not marker.is_file():
+        if not _every_vec_isa_probe_passes():
+            return False
+        try:
+            write_text(marker, "inductor's vector ISA probes all passed with this torch, compiler and CPU\n")
+        except OSError:  # a read-only cache: this process has probed already, the next one probes again
+            pass
+    config.cpp.vec_isa_ok = True
+    return True
+
+
+def _every_vec_isa_probe_passes() -> bool:
+    """Whether inductor's probes accept every vector ISA the CPU's flags name (running them, as its first compile
+    would)."""
+    from torch._inductor import cpu_vec_isa
+
+    flags = cpu_vec_isa.x86_isa_checker()
+    named = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == [str(isa) for isa in named]
 
 
 def usable(build: Callable[[], object], native: Callable[[], bool], missing: str) -> tuple[bool, str]:

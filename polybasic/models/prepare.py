@@ -24,7 +24,7 @@ from polybasic.models.blocks import Attention, RMSNorm
 from polybasic.models.decoder import use_decode_layout
 from polybasic.models.eagle_head import EagleHead
 from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES
-from polybasic.models.native import cpu_flags
+from polybasic.models.native import cpu_flags, trust_probed_vec_isa
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,8 @@ def compile_for_device(model, gguf: str | Path | None = None, flag: str = "--com
     check_compilable(device, flag)
     if mode not in COMPILE_MODES:
         raise ConfigError(f"{flag}: compile mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
+    if device.type == "cpu":
+        trust_probed_vec_isa()
     if isinstance(model, EagleHead):
         model.compile_steps(inductor_options(device), sizes, notify)
         return 0

@@ -10,7 +10,8 @@ reused, never rewritten, but a feature shard made from other samples is made aga
 files of a killed run and prints what it reused):
   samples.jsonl               token sequences, {"tokens": [...], "n_prompt": int} per line
   samples/                    the generation's shards, one per batch (prompts-*, answers-*.jsonl),
-                              and inputs.json, the settings they were made with
+                              and inputs.json, the settings they were made with; more-I/ the same for
+                              the prompts of more_data[I]
   <drafter>/features/*.safetensors   cached features (features: cache)
   <drafter>/checkpoints/last.ckpt    Lightning checkpoint: every epoch and every
                               train.checkpoint_every_n_steps steps
@@ -23,7 +24,7 @@ import copy
 import json
 from pathlib import Path
 
-from polybasic.artifacts import announce, clean_and_announce, write_json, write_text
+from polybasic.artifacts import announce, clean_and_announce, seed_for, write_json, write_text
 from polybasic.config import DistillSection, SamplingConfig, dump_recipe
 from polybasic.drafters.data import (
     DistillDataset,
@@ -59,43 +60,58 @@ def _as_dtype(model, dtype: str):
 def _samples(lm, sec: DistillSection, out: Path, progress: bool = False) -> list[Sample]:
     path, meta = out / "samples.jsonl", out / "samples.inputs.json"
     key = {**_inputs_key(lm, sec), "references": sec.references}
+    if sec.more_data:  # (absent without: the key of runs before more_data)
+        key["more_data"] = [str(src) for src in sec.more_data]
     if path.is_file() and meta.is_file() and json.loads(meta.read_text()) == key:
         announce(f"reused: {path}")
         return [Sample(**json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     pairs = load_pairs(sec.data, sec.limit)
+    more = [load_pairs(src, field=f"distill.more_data[{i}]") for i, src in enumerate(sec.more_data)]
     gen = _as_dtype(lm.model, sec.gen_dtype)
     prompts = [q for q, _ in pairs]
-    shards = _shard_dir(out / "samples", lm, sec)
+    shards = _shard_dir(out / "samples", _inputs_key(lm, sec))
     if sec.self_instruct:
         prompts += self_instruct(gen, lm.tokenizer, sec.self_instruct, seed=sec.seed, batch_size=sec.gen_batch_size,
                                  progress=progress, shard_dir=shards, openings=sec.self_instruct_openings)
-    samples = self_distill(gen, lm.tokenizer, prompts, sec.max_new_tokens, SamplingConfig(temperature=sec.temperature),
-                           sec.seed, sec.max_prompt_tokens, progress=progress, batch_size=sec.gen_batch_size,
-                           shard_dir=shards)
+    sampling = SamplingConfig(temperature=sec.temperature)
+    samples = self_distill(gen, lm.tokenizer, prompts, sec.max_new_tokens, sampling, sec.seed, sec.max_prompt_tokens,
+                           progress=progress, batch_size=sec.gen_batch_size, shard_dir=shards)
+    cut = sec.max_prompt_tokens + sec.max_new_tokens  # a reference sequence's most tokens
     if sec.references:
-        samples += reference_samples(lm.tokenizer, pairs, sec.max_prompt_tokens + sec.max_new_tokens)
+        samples += reference_samples(lm.tokenizer, pairs, cut)
+    for i, (src, extra) in enumerate(zip(sec.more_data, more)):  # after data's: its shards and features stay valid
+        folder = _shard_dir(out / "samples" / f"more-{i}", _more_key(lm, sec, src))
+        samples += self_distill(gen, lm.tokenizer, [q for q, _ in extra], sec.max_new_tokens, sampling,
+                                seed_for(sec.seed, i + 1), sec.max_prompt_tokens, progress=progress,
+                                batch_size=sec.gen_batch_size, shard_dir=folder)
+        if sec.references:
+            samples += reference_samples(lm.tokenizer, extra, cut)
     write_text(path, "".join(json.dumps({"tokens": s.tokens, "n_prompt": s.n_prompt}) + "\n"
                                     for s in samples))
     write_json(meta, key)
     return samples
 
 
-# the section fields the generated answers depend on (samples.jsonl adds `references`), and those the
-# cached features add
-ANSWER_INPUTS = ("data", "limit", "self_instruct", "self_instruct_openings", "max_new_tokens", "temperature",
-                 "max_prompt_tokens", "seed", "gen_batch_size", "gen_dtype")
+# the section fields the generated answers depend on (samples.jsonl adds `references` and `more_data`), those of
+# them that set how any prompt is answered, and those the cached features add
+GENERATION_INPUTS = ("max_new_tokens", "temperature", "max_prompt_tokens", "seed", "gen_batch_size", "gen_dtype")
+ANSWER_INPUTS = ("data", "limit", "self_instruct", "self_instruct_openings", *GENERATION_INPUTS)
 FEATURE_INPUTS = ("features", "feature_dtype", "feature_layers")
 
 
 def _inputs_key(lm, sec: DistillSection) -> dict:
-    """What the generated answers depend on."""
+    """What the generated answers to `data`'s prompts (and the self-written ones) depend on."""
     return {"model": repr(lm.args), **{k: str(getattr(sec, k)) for k in ANSWER_INPUTS
                                        if getattr(sec, k) != []}}  # no openings: the key of runs before them
 
 
-def _shard_dir(folder: Path, lm, sec: DistillSection) -> Path:
-    """The folder of the generation's shards; shards made with other settings are removed."""
-    key = _inputs_key(lm, sec)
+def _more_key(lm, sec: DistillSection, src) -> dict:
+    """What the answers to a `more_data` set depend on: the set, and how prompts are answered."""
+    return {"model": repr(lm.args), "data": str(src), **{k: str(getattr(sec, k)) for k in GENERATION_INPUTS}}
+
+
+def _shard_dir(folder: Path, key: dict) -> Path:
+    """The folder of a generation's shards, made with the settings `key`; shards made with others are removed."""
     meta = folder / "inputs.json"
     if meta.is_file() and json.loads(meta.read_text()) != key:
         stale = sorted(folder.glob("*.jsonl"))
@@ -192,6 +208,8 @@ def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
     copy only when no earlier stage of this run writes it)."""
     sec = recipe.distill
     load_pairs(sec.data, sec.limit)
+    for i, src in enumerate(sec.more_data):
+        load_pairs(src, field=f"distill.more_data[{i}]")
     if "quantized" in sec.drafters and "quantize" not in upstream:
         _quantized_path(sec, Path(out))
 

@@ -193,7 +193,7 @@ class Int4PackLinear(QuantLinear):
             self.packed = torch.ops.aten._convert_weight_to_int4pack(u8, cuda_inner_k_tiles(self.in_features))
             self._mm, self._dense_rows = torch.ops.aten._weight_int4pack_mm, None
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), 2)
             self._mm, self._dense_rows = torch.ops.aten._weight_int4pack_mm_for_cpu, self.gemm_rows
         dt = self.scales_and_zeros.dtype if self.scales_and_zeros.is_floating_point() else torch.bfloat16
         self.scales_and_zeros = self._scales_and_zeros(dt)
@@ -211,8 +211,11 @@ class Int4PackLinear(QuantLinear):
         return torch.addcmul(off, u, s).view(out, k)
 
     def _unsigned_codes(self) -> Tensor:
-        """u = q + 8 [out, in] int32 in [0, 15]: the codes every int4 layout packs."""
-        return self.codes().to(torch.int32) + 8
+        """u = q + 8 [out, in] uint8 in [0, 15]: the codes every int4 layout packs, read off qweight's nibbles
+        (low = even column) as stored, without unpacking to signed codes and back (a W4 0.5B's 97 linears:
+        ~1 s -> ~0.1 s at load)."""
+        p = self.qweight  # [out, in/2]
+        return torch.stack((p & 0xF, p >> 4), -1).view(self.out_features, self.in_features)
 
     def _offsets(self) -> Tensor:
         """o [out, G] fp32 with w = s * u + o per group: -(8 + zero) * scale."""

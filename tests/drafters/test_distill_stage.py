@@ -25,6 +25,12 @@ def test_distill_stage(tmp_path):
     load_head(tmp_path / "out" / "target" / "head.safetensors", lm.model)
     sec.train.max_epochs = 2
     assert len(run_distill(lm, sec, tmp_path / "out", accelerator="cpu")["target"].losses) == 4  # resumed: epoch 2
+    # more sequences: the checkpoint is set aside and training starts afresh (2 epochs of 5 steps), not resumed
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps([{"instruction": f"w{i + 1} w{i}", "input": "", "output": ""} for i in range(2)]))
+    sec.more_data = section_from_dict({"more_data": [str(more)]}).more_data
+    assert len(run_distill(lm, sec, tmp_path / "out", accelerator="cpu")["target"].losses) == 10
+    assert (tmp_path / "out" / "target" / "checkpoints" / "stale-last.ckpt").is_file()
 
 
 def test_self_instruct_prompts_join_the_data(tmp_path):
@@ -37,6 +43,32 @@ def test_self_instruct_prompts_join_the_data(tmp_path):
     samples = _samples(load_model(str(tmp_path / "m")), sec, tmp_path)
     assert len(samples) == 5 and all(s.tokens[0] == 2 for s in samples)  # every prompt opens a user turn
     assert samples[3].tokens[:samples[3].n_prompt] != samples[4].tokens[:samples[4].n_prompt]
+
+
+def test_more_data_is_answered_after_data_and_keeps_its_answers(tmp_path, monkeypatch):
+    """Adding a prompt set (distill.more_data) answers only its prompts: data's answers come from their shards, in
+    front, as before; the set's reference answers join where it has some."""
+    from polybasic.drafters import data as distill_data
+    from polybasic.pipelines.distill import _samples
+
+    tiny_hf_folder(tmp_path / "m", vocab=64, init_std=0.2)
+    lm = load_model(str(tmp_path / "m"))
+    data, more = tmp_path / "d.json", tmp_path / "more.json"
+    data.write_text(json.dumps([{"instruction": f"w{i} w{i + 1}", "input": "", "output": ""} for i in range(6)]))
+    more.write_text(json.dumps([{"instruction": f"w{i} w9", "input": "", "output": "w7 w8" if i == 20 else ""}
+                                for i in range(20, 23)]))
+    base = {"data": str(data), "max_new_tokens": 4, "gen_batch_size": 4}
+    before = _samples(lm, section_from_dict(base), tmp_path / "out")
+    answered = []
+    real = distill_data.generate_batch
+    monkeypatch.setattr(distill_data, "generate_batch", lambda m, ids, *a: answered.append(ids) or real(m, ids, *a))
+    after = _samples(lm, section_from_dict({**base, "more_data": [str(more)]}), tmp_path / "out")
+    assert [len(ids) for ids in answered] == [3]  # one batch: the new set's three prompts
+    assert [s.tokens for s in after[:len(before)]] == [s.tokens for s in before]
+    assert len(after) == len(before) + 3 + 1  # its answers, then its one reference answer
+    assert (tmp_path / "out" / "samples" / "more-0" / "inputs.json").is_file()
+    with pytest.raises(ConfigError, match=r"distill.more_data\[1\].*Spec-Bench"):
+        section_from_dict({"more_data": [str(more), "spec-bench"]})
 
 
 def test_self_instruct_openings_key_the_answers(tmp_path):

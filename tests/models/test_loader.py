@@ -100,3 +100,39 @@ def test_a_folder_converted_without_architectures_gets_them_on_its_next_load(tmp
     assert loader._convert_gguf(tmp_path / "unused.gguf", "old") == folder  # cached: not converted again
     assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama", "hidden_size": 8,
                                                                 "architectures": ["LlamaForCausalLM"]}
+
+
+def test_tokenizer_comes_from_its_cached_pickle_in_a_new_process(tmp_path, monkeypatch):
+    """The second process (here: the per-process table emptied) unpickles the cached tokenizer instead of building it
+    from its files; it encodes and applies the chat template as the built one; a changed file builds anew, and an
+    unreadable pickle is rebuilt and replaced."""
+    import transformers
+
+    from polybasic.models import loader
+
+    monkeypatch.setenv("POLYBASIC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_TOKENIZERS", {})
+    tiny_hf_folder(tmp_path / "m")
+    built = loader.load_tokenizer(tmp_path / "m")
+    pickles = list((tmp_path / "cache" / "tokenizers").glob("*.pkl"))
+    assert len(pickles) == 1
+    monkeypatch.setattr(loader, "_TOKENIZERS", {})
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("built again"))
+    cached = loader.load_tokenizer(tmp_path / "m")
+    assert cached is not built
+    chat = [{"role": "user", "content": "w1 w2 w3"}]
+    assert cached.apply_chat_template(chat, tokenize=False) == built.apply_chat_template(chat, tokenize=False)
+    assert cached("w5 w6 w7")["input_ids"] == built("w5 w6 w7")["input_ids"] and cached.eos_token == "<eos>"
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", real)
+    monkeypatch.setattr(loader, "_TOKENIZERS", {})
+    pickles[0].write_bytes(b"not a pickle")
+    assert loader.load_tokenizer(tmp_path / "m").eos_token == "<eos>"
+    assert pickles[0].read_bytes() != b"not a pickle"  # replaced by a readable one
+
+    cfg = tmp_path / "m" / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().replace("<eos>", "<unk>"))  # another tokenizer: another pickle
+    monkeypatch.setattr(loader, "_TOKENIZERS", {})
+    assert loader.load_tokenizer(tmp_path / "m").eos_token == "<unk>"
+    assert len(list((tmp_path / "cache" / "tokenizers").glob("*.pkl"))) == 2

@@ -211,6 +211,25 @@ def _distill_recipe(tmp_path: Path) -> Path:
     return path
 
 
+def test_distill_killed_answering_more_data_resumes_identically(tmp_path):
+    """kill -9 while the target answers a `more_data` set: the rerun keeps data's shards and the set's finished one,
+    and ends with the outputs of an uninterrupted run."""
+    recipe = _distill_recipe(tmp_path)
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps([{"instruction": f"w{i} w{i + 2} w7", "input": "", "output": ""} for i in range(5)]))
+    tree = yaml.safe_load(recipe.read_text())
+    tree["distill"].update(more_data=[str(more)], self_instruct=0, train={"batch_size": 2, "max_epochs": 1,
+                                                                            "lr": 1e-3})
+    recipe.write_text(yaml.safe_dump(tree))
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    assert main(["distill", str(recipe), "--out", str(ref)]) == 0
+    argv = ["distill", str(recipe), "--out", str(run)]
+    run_killed(argv, "distill.samples_shard:3", tmp_path)  # data's two answer shards, then the set's first
+    assert [p.name for p in sorted((run / "distill" / "samples" / "more-0").glob("*.jsonl"))] == ["answers-00000.jsonl"]
+    assert main(argv) == 0
+    assert_same_outputs(ref, run)
+
+
 def test_distill_killed_mid_generation_training_and_write_resumes_identically(tmp_path, capsys):
     recipe = _distill_recipe(tmp_path)
     ref, run = tmp_path / "ref", tmp_path / "killed"

@@ -343,3 +343,18 @@ def test_a_head_on_4_bit_weights_drafts_losslessly(hf, tmp_path, kernel):
             chain = Chain(levels, k=3, eos={1})
             for prompt in prompts:
                 assert chain.generate(prompt, 30)[0] == list(generate_tokens(eager, prompt, 30, eos={1})), compiled
+
+
+def test_a_later_compile_reports_to_its_own_caller(hf):
+    """Steps compiled for one caller (a bench method) and compiled further for another: the later compiles are
+    reported to the later caller's progress line, not the first's."""
+    model = lean_from_hf(hf)
+    first, second = [], []
+    model.compile_steps(sizes=(1, 4), notify=first.append)
+    model.setup_caches(MAX_LEN)
+    model.warm_steps(decode=True)  # the one-token and prefill-chunk steps
+    assert first
+    seen = len(first)
+    model.compile_steps(sizes=(1, 4), notify=second.append)
+    model.warm_steps()  # each size's all-rows step: new compiles
+    assert len(first) == seen and second
