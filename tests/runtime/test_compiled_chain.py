@@ -350,11 +350,11 @@ def test_a_later_compile_reports_to_its_own_caller(hf):
     reported to the later caller's progress line, not the first's."""
     model = lean_from_hf(hf)
     first, second = [], []
-    model.compile_steps(sizes=(1, 4), notify=first.append)
+    model.compile_steps(sizes=(1, 2), notify=first.append)
     model.setup_caches(MAX_LEN)
     model.warm_steps(decode=True)  # the one-token and prefill-chunk steps
     assert first
     seen = len(first)
-    model.compile_steps(sizes=(1, 4), notify=second.append)
+    model.compile_steps(sizes=(1, 2), notify=second.append)
     model.warm_steps()  # each size's all-rows step: new compiles
     assert len(first) == seen and second
