@@ -30,8 +30,8 @@ MODULES = ["string", "textwrap", "itertools", "functools", "collections", "heapq
            "struct", "tarfile", "zipfile", "unicodedata", "email.utils", "configparser", "argparse", "logging",
            "sqlite3", "array", "weakref", "cmath", "binascii", "codecs", "reprlib", "ast", "inspect", "linecache",
            "queue", "threading", "timeit", "typing", "io", "os", "time", "platform", "getpass", "locale", "gettext",
-           "warnings", "traceback", "types", "abc", "string", "zoneinfo", "http.client", "smtplib", "socket",
-           "selectors", "signal", "subprocess", "sys", "tomllib", "xml.etree.ElementTree", "statistics"]
+           "warnings", "traceback", "types", "abc", "zoneinfo", "http.client", "smtplib", "socket",
+           "selectors", "signal", "subprocess", "sys", "tomllib", "xml.etree.ElementTree"]
 CODE_STYLES = [
     "Write a Python function `{name}{sig}` that does what `{qual}` does, without importing `{mod}`: {doc}",
     "Explain what `{qual}` does in Python and give a short example of using it. Its documentation says: \"{doc}\"",
@@ -72,7 +72,7 @@ def documented() -> list[tuple[str, str, str, str]]:
     """(module, name, signature, docstring sentence) of the standard library's documented public functions and
     classes in MODULES."""
     found = []
-    for mod_name in dict.fromkeys(MODULES):
+    for mod_name in MODULES:
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:

@@ -73,21 +73,21 @@ def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int = 128
     eos = eos if eos is not None else eos_ids(tokenizer)
     ids = [encode_prompt(tokenizer, text)[-max_prompt_tokens:] for text in prompts]
     out: list[Sample | None] = [None] * len(ids)
-    n_new, t0 = 0, time.perf_counter()
+    generated, t0 = [0], time.perf_counter()  # answer tokens generated in this call (a finished shard's are read)
     bar = tqdm(total=len(ids), desc="self-distill", unit="prompt", disable=not progress)
     for j, idx in enumerate(_batches(len(ids), batch_size, [len(x) for x in ids])):
         def answer(idx=idx, j=j) -> list[dict]:
             g = make_generator(seed_for(seed, 0, j), model.device)
-            return [{"tokens": a.tokens, "n_prompt": a.n_prompt}
+            rows = [{"tokens": a.tokens, "n_prompt": a.n_prompt}
                     for a in generate_batch(model, [ids[i] for i in idx], max_new_tokens, sampling, eos, g)]
+            generated[0] += sum(len(r["tokens"]) - r["n_prompt"] for r in rows)
+            return rows
 
-        made = []  # the answers generated now (a finished shard's are read, not generated)
-        for i, ans in zip(idx, batch_shard(shard_dir, "answers", j, lambda: made.append(1) or answer())):
+        for i, ans in zip(idx, batch_shard(shard_dir, "answers", j, answer)):
             out[i] = Sample(ans["tokens"], ans["n_prompt"])
-            n_new += (len(ans["tokens"]) - ans["n_prompt"]) if made else 0
         bar.update(len(idx))
-        if made:
-            bar.set_postfix(new_tok_s=f"{n_new / (time.perf_counter() - t0):.0f}")
+        if generated[0]:
+            bar.set_postfix(new_tok_s=f"{generated[0] / (time.perf_counter() - t0):.0f}")
     bar.close()
     return out
 

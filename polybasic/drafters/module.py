@@ -357,7 +357,8 @@ def fit(base, dataset, head_cfg: DrafterConfig, cfg: TrainConfig, out_dir: str |
     module = DistillModule(base, head_cfg, cfg, d2t)
     last = Path(out_dir) / "checkpoints" / "last.ckpt"
     loader = train_dataloader(dataset, cfg)
-    resume = resume and _resumable(last, training_key(dataset.samples, head_cfg, cfg))
+    same = _resumable(last, training_key(dataset.samples, head_cfg, cfg))  # recorded even when not resuming
+    resume = resume and same
     if resume:
         announce(f"resumed: training of {out_dir} from {last} ({_progress(last)})")
     trainer.fit(module, loader, ckpt_path=str(last) if resume else None)
@@ -375,6 +376,7 @@ def training_key(samples, head_cfg: DrafterConfig, cfg: TrainConfig) -> dict:
     for smp in samples:
         h.update(f"{smp.n_prompt}:{','.join(map(str, smp.tokens))};".encode())
     train = {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES}
+    # through JSON, so that it compares equal to the key read back from inputs.json (tuples become lists)
     return json.loads(json.dumps({"samples": h.hexdigest(), "head": head_cfg.to_dict(), "train": train}))
 
 

@@ -113,8 +113,9 @@ def trust_probed_vec_isa(cache_dir: Path | None = None) -> bool:
     without this. A vec_isa_ok the user set is left as it is."""
     from torch._inductor import config  # start-up time: only a compiling process imports inductor
 
-    if config.cpp.vec_isa_ok is not None:
-        return bool(config.cpp.vec_isa_ok)
+    ok = getattr(config.cpp, "vec_isa_ok", False)  # False where another torch has no such setting
+    if ok is not None:
+        return bool(ok)
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
     cxx = shutil.which(os.environ.get("CXX", "g++")) or ""
@@ -123,7 +124,10 @@ def trust_probed_vec_isa(cache_dir: Path | None = None) -> bool:
                                     str(stat and stat.st_mtime_ns), cpu_flags()]).encode()).hexdigest()[:16]
     marker = (cache_dir or cache_root()) / f"vec-isa-{key}.ok"
     if not marker.is_file():
-        if not _every_vec_isa_probe_passes():
+        try:
+            if not _every_vec_isa_probe_passes():
+                return False
+        except AttributeError:  # another torch's internals: leave inductor to probe, as without this
             return False
         try:
             write_text(marker, "inductor's vector ISA probes all passed with this torch, compiler and CPU\n")

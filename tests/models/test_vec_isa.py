@@ -37,6 +37,15 @@ def test_failed_probe_keeps_probing(tmp_path, monkeypatch, fresh):
     assert not list(tmp_path.glob("*"))
 
 
+def test_another_torchs_internals_keep_probing(tmp_path, monkeypatch, fresh):
+    def moved():
+        raise AttributeError("module 'torch._inductor.cpu_vec_isa' has no attribute 'x86_isa_checker'")
+
+    monkeypatch.setattr(native, "_every_vec_isa_probe_passes", moved)
+    assert native.trust_probed_vec_isa(tmp_path) is False
+    assert config.cpp.vec_isa_ok is None and not list(tmp_path.glob("*"))
+
+
 def test_marker_keyed_by_cpu_flags(tmp_path, monkeypatch, fresh):
     monkeypatch.setattr(native, "_every_vec_isa_probe_passes", lambda: True)
     native.trust_probed_vec_isa(tmp_path)
