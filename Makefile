@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	# every stage of the smoke recipe (~9 min on 2 cores), ending in a chain bundle, then text through it
+	# every stage of the smoke recipe (~2 min on 2 cores), ending in a chain bundle, then text through it
 	$(VENV)/bin/polybasic run smollm2-smoke
 	$(VENV)/bin/polybasic generate --bundle runs/smollm2-smoke/bundle --prompt "$(PROMPT)" --max-new-tokens 96
 

@@ -175,33 +175,58 @@ def math_prompts(rng: random.Random, avoid: set[str]) -> list[str]:
     return out
 
 
-def records() -> list[dict]:
+def kept_apart() -> set[str]:
+    """The prompts no self-distillation prompt may equal: work-mix-48's (the profile's) and Spec-Bench's."""
     from polybasic.data import catalog
 
     avoid = {r["instruction"] for r in json.loads(catalog.shipped_path("work-mix-48").read_text())}
-    avoid |= {t for line in catalog.shipped_path("spec-bench").read_text().splitlines() if line.strip()
-              for t in json.loads(line).get("turns", [])}
+    return avoid | {t for line in catalog.shipped_path("spec-bench").read_text().splitlines() if line.strip()
+                    for t in json.loads(line).get("turns", [])}
+
+
+def interleave(groups: list[tuple[list[str], int]]) -> list[str]:
+    """[(prompts, n), ...] -> n of the first group's, n of the next's, ... in turn until all are out, so that any
+    first N records hold every kind."""
+    out, at = [], [0] * len(groups)
+    while any(i < len(g) for i, (g, _) in zip(at, groups)):
+        for j, (g, n) in enumerate(groups):
+            out += g[at[j]:at[j] + n]
+            at[j] += n
+    return out
+
+
+def records() -> list[dict]:
+    avoid = kept_apart()
     rng = random.Random(SEED)
     code = [p for p in code_prompts(rng) if p not in avoid]
     math = math_prompts(rng, avoid)
-    out, ci, mi = [], 0, 0
-    while ci < len(code) or mi < len(math):  # 5 code, 3 math, ... so that any first N records hold both
-        out += code[ci:ci + 5] + math[mi:mi + 3]
-        ci, mi = ci + 5, mi + 3
-    return [{"instruction": p, "input": "", "output": ""} for p in out]
+    return as_records(interleave([(code, 5), (math, 3)]))  # 5 code, 3 math, ...
+
+
+def as_records(prompts: list[str]) -> list[dict]:
+    return [{"instruction": p, "input": "", "output": ""} for p in prompts]
+
+
+def write_or_check(out: Path, records: list[dict], argv: list[str] | None, doc: str) -> None:
+    """The drivers' command line: write `records` to `out` (--out moves it), or with --check compare them with it
+    (exit 1: differs)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
+    ap.add_argument("--out", type=Path, default=out, help=f"the file (default {out})")
+    a = ap.parse_args(argv)
+    out = a.out
+    text = json.dumps(records, indent=1, ensure_ascii=False) + "\n"
+    if a.check:
+        same = out.read_text(encoding="utf-8") == text
+        print(f"{out}: {'identical' if same else 'differs'} (Python {sys.version_info.major}.{sys.version_info.minor})")
+        raise SystemExit(0 if same else 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}: {len(records)} records")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="compare with the shipped file instead of writing it")
-    a = ap.parse_args(argv)
-    text = json.dumps(records(), indent=1, ensure_ascii=False) + "\n"
-    if a.check:
-        same = OUT.read_text(encoding="utf-8") == text
-        print(f"{OUT}: {'identical' if same else 'differs'} (Python {sys.version_info.major}.{sys.version_info.minor})")
-        raise SystemExit(0 if same else 1)
-    OUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUT}: {text.count('instruction')} records")
+    write_or_check(OUT, records(), argv, __doc__)
 
 
 if __name__ == "__main__":

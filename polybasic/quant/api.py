@@ -6,14 +6,16 @@ Tensors that share storage (a tied embedding / LM head) are written once and re-
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from polybasic.artifacts import save_safetensors
 from polybasic.config import QuantConfig
@@ -24,10 +26,13 @@ from polybasic.models.loader import (LoadedModel, folder_and_args, load_model, l
 from polybasic.models.preflight import (CODES_KERNEL, FIX_QUANTIZED, QUANT_FORMAT, corrupt_safetensors,
                                         safetensors_metadata, split_kernel)
 from polybasic.models.prepare import prepare_for_device
+from polybasic.models.native import cpu_flags
+from polybasic.models.registry import cache_root
 import polybasic.quant.gguf_w4a8 as gguf_w4a8
 from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
 
 FORMAT = QUANT_FORMAT
+log = logging.getLogger(__name__)
 LM_HEAD = "output"
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -44,24 +49,25 @@ def _targets(model: nn.Module, keep: FilterFn) -> list[tuple[str, nn.Linear]]:
 
 
 def quantize_(model: nn.Module, config: QuantConfig, filter_fn: FilterFn | None = None,
-              device: str | torch.device | None = None) -> nn.Module:
+              device: str | torch.device | None = None, empty: bool = False) -> nn.Module:
     """Replace the selected nn.Linear modules by quantized ones (round-to-nearest), in place.
 
     Every layer is checked (group size, kernel fit) before any weight is touched. 'auto' kernels
     are resolved per layer from its shape, device and weight dtype (the activation dtype).
     The LM head is replaced as a module only, so a tied embedding keeps its own weight.
     device: where the kernels will run (default: each weight's device).
+    empty: swap in empty modules of the right shapes and kernels instead (load_state_dict(assign=True) fills them).
     """
     plan = {}
     for fqn, lin in _targets(model, filter_fn or default_filter(config)):
         dev = torch.device(device) if device is not None else lin.weight.device
         plan[fqn] = choose_kernel(config, lin.in_features, lin.out_features, dev, fqn, lin.weight.dtype)
-    return _swap(model, config, plan, device)
+    return _swap(model, config, plan, device, empty)
 
 
-def _swap(model: nn.Module, config: QuantConfig, plan: dict[str, str], device=None) -> nn.Module:
+def _swap(model: nn.Module, config: QuantConfig, plan: dict[str, str], device=None, empty: bool = False) -> nn.Module:
     """Swap the Linear named by each key of plan for a module of its kernel; a Linear on the
-    meta device becomes an empty module of the right shapes (filled by load_quantized)."""
+    meta device (every one with `empty`) becomes an empty module of the right shapes (filled by load_quantized)."""
     linears = {fqn: model.get_submodule(fqn) for fqn in plan}
     for fqn, lin in linears.items():  # validate everything first (cheap, on meta)
         if not isinstance(lin, nn.Linear) or isinstance(lin, QuantLinear):
@@ -74,7 +80,7 @@ def _swap(model: nn.Module, config: QuantConfig, plan: dict[str, str], device=No
         KERNEL_CLASSES[plan[fqn]](lin.in_features, lin.out_features, config, device="meta", name=fqn)
     for fqn, lin in linears.items():
         cls = KERNEL_CLASSES[plan[fqn]]
-        if lin.weight.is_meta:
+        if empty or lin.weight.is_meta:
             bias = lin.bias is not None
             new = cls(lin.in_features, lin.out_features, config, bias,
                       lin.bias.dtype if bias else torch.float32, "meta", fqn)
@@ -85,19 +91,94 @@ def _swap(model: nn.Module, config: QuantConfig, plan: dict[str, str], device=No
     return model
 
 
-def quantize_head(head: nn.Module, kernel: str) -> nn.Module:
+def quantize_head(head: nn.Module, kernel: str, cache: bool = True) -> nn.Module:
     """A bound drafter head (models.eagle_head) on 4-bit weights in groups of 32 (round-to-nearest) on `kernel`, in
     place: its decoder blocks and its draft vocabulary's LM head rows (an eagle3 head's own `lm_head`, an eagle1
     head's rows of the base's), so a draft step reads about a quarter of the bytes; fc stays as trained.
-    Lossless all the same: a chain verifies the head's drafts against the distributions it sampled them from."""
+    Lossless all the same: a chain verifies the head's drafts against the distributions it sampled them from.
+    cache: keep the 4-bit tensors under $POLYBASIC_CACHE/quantized-heads, keyed by the head's tensors (and an eagle1
+    head's base LM head), the kernel and this code; a later call loads them instead of rounding again (~2 s for
+    Qwen2.5-Coder-1.5B's head, whose draft rows come dequantized from the target's GGUF codes). A cached file that
+    cannot be read is rounded again and replaced; one that cannot be written only costs the next call the rounding."""
     config = QuantConfig(w_bits=4, group_size=32, kernel=kernel)
-    quantize_(head, config, lambda m, fqn: fqn.startswith("layers.") or fqn == "lm_head")
-    if not hasattr(head, "lm_head"):  # eagle1: the base LM head's draft rows, as base_logits would run them
-        rows = head.draft_rows(head.fc.weight.dtype)  # [N, E]
-        lin = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
-        lin.weight.data = rows
-        head.use_rows(quantize_(nn.ModuleDict({"rows": lin}), config)["rows"])
+    keep = lambda m, fqn: fqn.startswith("layers.") or fqn == "lm_head"  # noqa: E731
+    eagle1 = not hasattr(head, "lm_head")  # its draft rows are the base LM head's, as base_logits would run them
+    rows = nn.ModuleDict()
+    path = cache_root() / "quantized-heads" / f"{_head_key(head, config, eagle1)}.safetensors" if cache else None
+    if path is None or not _load_quantized_head(head, rows, config, keep, eagle1, path):
+        quantize_(head, config, keep)
+        if eagle1:
+            w = head.draft_rows(head.fc.weight.dtype)  # [N, E]
+            rows["rows"] = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            rows["rows"].weight.data = w
+            quantize_(rows, config)
+        if path is not None:
+            try:
+                save_safetensors(path, {k: t.contiguous() for k, t in _quantized_state(head, rows).items()})
+            except OSError as e:
+                log.warning("could not cache the 4-bit head in %s (%s)", path, e)
+    if eagle1:
+        head.use_rows(rows["rows"])
     return head
+
+
+def _quantized_state(head: nn.Module, rows: nn.ModuleDict) -> dict[str, Tensor]:
+    """The state of the head's quantized modules ('head.' names) and of its draft rows' ('rows.')."""
+    return {f"{where}.{fqn}.{k}": t for where, mod in (("head", head), ("rows", rows))
+            for fqn in quantized_modules(mod) for k, t in mod.get_submodule(fqn).state_dict().items()}
+
+
+def _load_quantized_head(head: nn.Module, rows: nn.ModuleDict, config: QuantConfig, keep: FilterFn, eagle1: bool,
+                         path: Path) -> bool:
+    """quantize_head's work from its cached file: empty modules of the kernels quantize_head picks, filled from
+    `path`. False (nothing changed) where the file is missing, unreadable or holds other tensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return False
+    dev = head.fc.weight.device
+    try:
+        sd = load_file(str(path), device=str(dev))
+    except (SafetensorError, OSError) as e:
+        log.warning("rounding the head to 4 bits again: its cached copy %s cannot be read (%s)", path, e)
+        return False
+    originals = dict(_targets(head, keep))
+    quantize_(head, config, keep, device=dev, empty=True)
+    if eagle1:
+        n = head.cfg.vocab_size if head.d2t is None else head.d2t.shape[0]
+        rows["rows"] = nn.Linear(head.cfg.dim, n, bias=False, device="meta", dtype=head.fc.weight.dtype)
+        quantize_(rows, config, device=dev, empty=True)
+    if set(sd) != set(_quantized_state(head, rows)):
+        log.warning("rounding the head to 4 bits again: its cached copy %s holds other tensors", path)
+        for fqn, lin in originals.items():
+            parent, _, attr = fqn.rpartition(".")
+            setattr(head.get_submodule(parent) if parent else head, attr, lin)
+        rows.clear()
+        return False
+    head.load_state_dict({k.removeprefix("head."): t for k, t in sd.items() if k.startswith("head.")}, strict=False,
+                         assign=True)
+    if eagle1:
+        rows.load_state_dict({k.removeprefix("rows."): t for k, t in sd.items() if k.startswith("rows.")}, assign=True)
+    return True
+
+
+def _head_key(head: nn.Module, config: QuantConfig, eagle1: bool) -> str:
+    """What quantize_head's output depends on: the head's tensors, an eagle1 head's base LM head (its draft rows),
+    the config, the device (a CPU's flags pick the kernels), torch's version and the code of the quantized kernels."""
+    from polybasic.quant import linear, w4a8
+
+    dev = head.fc.weight.device
+    where = cpu_flags() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
+    h = hashlib.sha256(repr((config.to_dict(), dev.type, where, torch.__version__)).encode())
+    for mod in (linear, w4a8, gguf_w4a8):
+        h.update(Path(mod.__file__).read_bytes())
+    tensors = [(n, t) for m in ([head, head.base.output] if eagle1 else [head])
+               for n, t in [*m.named_parameters(), *m.named_buffers()]]
+    for name, t in tensors:
+        h.update(name.encode())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+    return h.hexdigest()[:24]
 
 
 def quantized_modules(model: nn.Module) -> dict[str, str]:
