@@ -29,6 +29,8 @@ from polybasic.models.prepare import prepare_for_device
 from polybasic.models.native import cpu_flags
 from polybasic.models.registry import cache_root
 import polybasic.quant.gguf_w4a8 as gguf_w4a8
+import polybasic.quant.linear as quant_linear
+import polybasic.quant.w4a8 as w4a8
 from polybasic.quant.linear import KERNEL_CLASSES, QuantLinear, choose_kernel
 
 FORMAT = QUANT_FORMAT
@@ -166,12 +168,10 @@ def _load_quantized_head(head: nn.Module, rows: nn.ModuleDict, config: QuantConf
 def _head_key(head: nn.Module, config: QuantConfig, eagle1: bool) -> str:
     """What quantize_head's output depends on: the head's tensors, an eagle1 head's base LM head (its draft rows),
     the config, the device (a CPU's flags pick the kernels), torch's version and the code of the quantized kernels."""
-    from polybasic.quant import linear, w4a8
-
     dev = head.fc.weight.device
     where = cpu_flags() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
     h = hashlib.sha256(repr((config.to_dict(), dev.type, where, torch.__version__)).encode())
-    for mod in (linear, w4a8, gguf_w4a8):
+    for mod in (quant_linear, w4a8, gguf_w4a8):
         h.update(Path(mod.__file__).read_bytes())
     tensors = [(n, t) for m in ([head, head.base.output] if eagle1 else [head])
                for n, t in [*m.named_parameters(), *m.named_buffers()]]
