@@ -433,13 +433,18 @@ class EagleHead(nn.Module):
         weights: quant.quantize_head) for as long as the head stays bound to that base's LM head."""
         object.__setattr__(self, "_rows", (id(self.base.output), module))
 
+    def rows_source(self) -> nn.Module:
+        """The base module whose weight draft_rows reads: its LM head, or where that is quantized and tied, its
+        embedding, which stays float (equal to the LM head's rows to rounding)."""
+        out, emb = self.base.output, self.base.tok_embeddings
+        return emb if not _plain(out) and self.base.args.tie_embeddings and _plain(emb) else out
+
     def draft_rows(self, dtype: torch.dtype) -> Tensor:
         """The base LM head's rows of the draft vocabulary [N, E] in `dtype` (a quantized head: dequantized)."""
-        out, emb = self.base.output, self.base.tok_embeddings
-        w = out.weight if _plain(out) else emb.weight if self.base.args.tie_embeddings and _plain(emb) else None
-        if w is not None:  # a tied quantized LM head's rows are its embedding's, which stays float (to rounding)
-            return (w if self.d2t is None else w[self.d2t]).to(dtype)
-        return out.dequantized_weight(dtype, rows=self.d2t).to(dtype)  # a coded one runs the draft rows' tiles only
+        src = self.rows_source()
+        if _plain(src):
+            return (src.weight if self.d2t is None else src.weight[self.d2t]).to(dtype)
+        return src.dequantized_weight(dtype, rows=self.d2t).to(dtype)  # a coded one runs the draft rows' tiles only
 
     def to_full(self, probs: Tensor) -> Tensor:
         """Draft-vocabulary probabilities [..., N] -> full-vocabulary [..., V] (zero elsewhere)."""

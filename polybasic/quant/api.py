@@ -166,14 +166,14 @@ def _load_quantized_head(head: nn.Module, rows: nn.ModuleDict, config: QuantConf
 
 
 def _head_key(head: nn.Module, config: QuantConfig, eagle1: bool) -> str:
-    """What quantize_head's output depends on: the head's tensors, an eagle1 head's base LM head (its draft rows),
+    """What quantize_head's output depends on: the head's tensors, what an eagle1 head's draft rows are read from,
     the config, the device (a CPU's flags pick the kernels), torch's version and the code of the quantized kernels."""
     dev = head.fc.weight.device
     where = cpu_flags() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
     h = hashlib.sha256(repr((config.to_dict(), dev.type, where, torch.__version__)).encode())
     for mod in (quant_linear, w4a8, gguf_w4a8):
         h.update(Path(mod.__file__).read_bytes())
-    tensors = [(n, t) for m in ([head, head.base.output] if eagle1 else [head])
+    tensors = [(n, t) for m in ([head, head.rows_source()] if eagle1 else [head])
                for n, t in [*m.named_parameters(), *m.named_buffers()]]
     for name, t in tensors:
         h.update(name.encode())

@@ -7,7 +7,8 @@ import torch
 
 from polybasic.models.eagle_head import DrafterConfig, make_head
 from polybasic.quant import api
-from polybasic.quant.api import quantize_head, quantized_modules
+from polybasic.config import QuantConfig
+from polybasic.quant.api import quantize_, quantize_head, quantized_modules
 from polybasic.quant.linear import QuantLinear
 from tests.helpers import lean_from_hf, tiny_hf_llama
 
@@ -81,3 +82,20 @@ def test_another_head_or_no_cache_rounds_its_own(base, tmp_path, monkeypatch):
     monkeypatch.setattr(api, "_load_quantized_head", lambda *a: calls.append(a) or False)
     uncached = outputs(quantized(base, "eagle1", cache=False), base)
     assert not calls and all(torch.equal(one[k], uncached[k]) for k in one)
+
+
+
+def test_an_eagle1_heads_file_follows_the_rows_it_reads(tmp_path, monkeypatch):
+    """Its draft rows come from EagleHead.rows_source: behind a tied LM head on 4-bit codes, the float embedding;
+    another embedding, another file, though the LM head's codes are the same."""
+    monkeypatch.setenv("POLYBASIC_CACHE", str(tmp_path))
+    for bump in (0.0, 1.0):
+        b = lean_from_hf(tiny_hf_llama(seed=0, vocab=96, hidden=64, layers=2, heads=4, kv_heads=2), torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_(b, QuantConfig(w_bits=4, group_size=32, kernel="w4a8"), lambda m, fqn: fqn == "output")
+        with torch.no_grad():
+            b.tok_embeddings.weight[5, 0] += bump  # after rounding: the LM head's codes stay as they were
+        assert b.args.tie_embeddings and fresh_head(b, "eagle1").rows_source() is b.tok_embeddings
+        quantized(b, "eagle1")
+    assert len(list((tmp_path / "quantized-heads").glob("*.safetensors"))) == 2
