@@ -1,12 +1,16 @@
 """Sweep of draft lengths, thresholds and --draft-confidence for one chain, on held-out prompts (not
-Spec-Bench), with the levels below the target compiled once and the target eager:
+Spec-Bench), with the levels below the target compiled once and the target eager (--compile-target: compiled too,
+as `generate --compile` runs a bundle):
 
     python -m experiments.draft_stop --model qwen2.5-coder-1.5b --dtype bfloat16 \
         --chain runs/qwen-p31/model.safetensors --configs 8:0/16:0.5/24:0.6 --vanilla
+    python -m experiments.draft_stop --model qwen2.5-coder-1.5b@w4a8 --chain eagle:runs/head-cm.safetensors@w4a8 \
+        --configs 2:0/3:0.7 --compile-target --sizes 1,2,4,6,8,64 --prompts work-mix-48 --limit 12 --vanilla
 
 A config is K:CONFIDENCE[:THRESHOLD,...] (Chain's k, draft_confidence and thresholds), configs separated
 by "/". Several chains compare side by side: repeat --chain, each followed by its own --configs (levels that
-two chains share are loaded once). Prints tokens/s per config over the prompts (greedy, 128 new tokens each,
+two chains share are loaded once). --prompts: the last --limit prompts of a data set (a shipped name or an Alpaca
+JSON file; never a benchmark's) instead of the four below. Prints tokens/s per config over the prompts (greedy, 128 new tokens each,
 prefill included), with tau and each level's forwards, tokens fed and seconds, and checks that every config's
 tokens are the target's (vanilla's, when --vanilla runs it).
 """
@@ -29,6 +33,8 @@ def parse_config(text: str) -> tuple[int, float, list[int] | None]:
 
 
 def main(argv=None) -> None:
+    from polybasic.config import DataSource
+    from polybasic.drafters.data import load_pairs
     from polybasic.quant.api import load_any_model
     from polybasic.runtime.chain import Chain
     from polybasic.runtime.chain_builder import parse_chain
@@ -47,19 +53,28 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="1,2,4,64", help="step sizes the levels below the target compile")
     p.add_argument("--eager", action="store_true", help="do not compile the levels below the target")
     p.add_argument("--vanilla", action="store_true", help="time plain decoding of the target too")
+    p.add_argument("--compile-target", action="store_true", help="compile the target's steps too (plain decoding's "
+                   "as well): the chains as `generate --bundle --compile` runs them")
+    p.add_argument("--prompts", help="a data set's last --limit prompts instead of the built-in four (e.g. "
+                   "work-mix-48, the profile's held-out prompts)")
+    p.add_argument("--limit", type=int, default=12)
     a = p.parse_args(argv)
     if len(a.configs) != len(a.chain):
         p.error(f"{len(a.chain)} --chain but {len(a.configs)} --configs: give each chain its own --configs")
     lm = load_any_model(a.model, a.dtype, "cpu")
     eos = eos_ids(lm.tokenizer)
-    prompts = [encode_prompt(lm.tokenizer, text) for text in PROMPTS]
+    texts = PROMPTS if a.prompts is None else [q for q, _ in load_pairs(DataSource(a.prompts))][-a.limit:]
+    prompts = [encode_prompt(lm.tokenizer, text) for text in texts]
     shared: dict = {}  # levels built once for every chain that names them
     chains = {spec: parse_chain(spec, lm, cache=shared) for spec in a.chain}
     configs = [(spec, *parse_config(c)) for spec, cs in zip(a.chain, a.configs) for c in cs.split("/")]
     if not a.eager:
         longest = max(len(x) for x in prompts) + a.tokens + 1
         below = list({id(lv): lv for levels in chains.values() for lv in levels[1:]}.values())
-        print(f"compiled in {compile_levels(below, longest, None, [int(s) for s in a.sizes.split(',')]):.1f} s")
+        levels, gguf = ([next(iter(chains.values()))[0], *below], lm.gguf_file) if a.compile_target else (below, None)
+        seconds = compile_levels(levels, longest, gguf, [int(s) for s in a.sizes.split(",")],
+                                 lengths=[len(x) + a.tokens + 1 for x in prompts])
+        print(f"compiled in {seconds:.1f} s")
     for spec, k, conf, th in configs:  # untimed: a first call of a shape (oneDNN primitives, dynamo guards) is slower
         Chain(chains[spec], k=k, thresholds=th, eos=eos, draft_confidence=conf).generate(prompts[0], 16)
     rows = {}

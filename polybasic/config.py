@@ -496,12 +496,21 @@ class ProfileSection:
     prompts: int = 8  # held-out prompts each pair's acceptance is measured on
     max_new_tokens: int = 64  # tokens generated per prompt when measuring a pair's acceptance
     k: int = 5  # draft length at which acceptance is measured (also the bench stage's --draft-tokens)
+    measured_k_values: list[int] = field(default_factory=list)  # draft lengths at which a drafter whose drafts'
+    # shape is measured, not modelled (token trees; drafts cut by export.draft_confidence) is profiled, each one
+    # planned; empty: k alone
     context: int = 256  # tokens of (random) context each forward's cost is timed at
     reps: int = 5  # timed repetitions per forward (the median counts; after 2 warm-up calls)
     temperature: float = 0.0  # the sampling the chain will run with (acceptance depends on it)
     top_p: float = 1.0  # nucleus sampling the chain will run with (1.0 = off)
+    compile: bool = False  # time every level on compiled steps, as `generate --compile` and the bench's *-compiled
+    # methods run it (the baseline is then compiled plain decoding too); false: eager forwards
 
     def __post_init__(self) -> None:
+        check(all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in self.measured_k_values),
+              "profile.measured_k_values", f"must be integers >= 1, got {self.measured_k_values!r}", "e.g. [2, 3]")
+        check(isinstance(self.compile, bool), "profile.compile", f"must be true or false, got {self.compile!r}",
+              "write compile: true to time compiled steps")
         for name in ("prompts", "max_new_tokens", "k", "context", "reps"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"profile.{name}", f"must be an integer >= 1, got {v!r}",
@@ -530,7 +539,8 @@ class PlanSection:
 class ExportSection:
     folder: str = "bundle"  # inside out_dir
     draft_confidence: float = 0.0  # the bundle's drafting levels end a draft after a token they gave a
-    # probability below this (0: off; lossless either way; the plan's predictions assume full drafts)
+    # probability below this (0: off; lossless either way); the profile measures its drafters' path drafts with it
+    # (at profile.measured_k_values) and the plan prices the drafts' measured lengths
 
     def __post_init__(self) -> None:
         check_draft_confidence(self.draft_confidence, "export.draft_confidence")

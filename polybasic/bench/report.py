@@ -153,7 +153,9 @@ def markdown(doc: dict) -> str:
         "accept = the bottom drafter's mean accepted length per draft verified by the level above (accepted "
         "drafts + 1; verifications of an empty draft, such as the budget's last token, left out); links = that length for every link of a chain (verifier<-drafter); identical = prompts "
         "whose tokens equal vanilla's (greedy only); = compiled = prompts whose tokens equal vanilla-compiled's, when "
-        "the run has it (a compiled chain's own reference). Methods that run the target in another dtype "
+        "the run has it (a compiled chain's own reference); predicted = the planner's speedup over plain decoding "
+        "run the same way (eager, or compiled for a *-compiled method: compare it with vs fastest). Methods that run "
+        "the target in another dtype "
         "(vanilla:DTYPE) or with other numerics (vanilla-dense without a codes kernel, transformers, compiled steps) "
         "are not expected to be "
         "identical: a different kernel or rounding can flip a near-tie.", "",

@@ -189,7 +189,9 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
                        hf_loader=lambda: load_hf_model(a.model, a.dtype, lm.model.device), bundle=bundle,
                        peer_timeout=a.peer_timeout)
     runners = _make_runners(methods, ctx, log, prompts)
-    predicted = {"chain": bundle.predicted_speedup} if bundle else {}
+    # the plan's prediction: the bundle's chain run as its profile timed it (compiled steps: chain-compiled)
+    predicted = {"chain-compiled" if bundle.manifest.planned_compiled else "chain": bundle.predicted_speedup} \
+        if bundle else {}
     if getattr(a, "predict", 0):
         chains = {m: r.chain for m, r in runners.items() if hasattr(r, "chain") and m not in predicted}
         predicted.update(predict_chains(chains, held_out_prompts(lm.tokenizer, a.predict), ctx.eos, sampling,

@@ -20,11 +20,12 @@ def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
     require(out, "plan.json", "plan", upstream, "export")
 
 
-def plan_summary(row: dict) -> dict:
-    """What the manifest keeps of the chosen plan row."""
+def plan_summary(row: dict, compiled: bool = False) -> dict:
+    """What the manifest keeps of the chosen plan row; compiled: the profile timed compiled steps (the predicted
+    speedup is then over compiled plain decoding, for the chain run compiled)."""
     return {"chain": row["spec"], "levels": row["chain"], "k": row["k"], "thresholds": row["thresholds"],
             "predicted_speedup": row["speedup"], "predicted_speedup_lemma": row["speedup_lemma"],
-            "predicted_ms_per_token": row["ms_per_token"], "tau": row["tau"],
+            "predicted_ms_per_token": row["ms_per_token"], "tau": row["tau"], "compiled": compiled,
             "model": "measured-curve model (polybasic.planner.cost)"}
 
 
@@ -36,14 +37,15 @@ def run_stage(ctx) -> list[Path]:
     best = plan["rows"][0]
     spec = parse_chain_spec(chain_spelling(best["chain"], out), "plan.json best chain")
     sec = recipe.profile
+    profile = json.loads((out / "profile.json").read_text())
     decoding = Decoding(k=best["k"], thresholds=tuple(best["thresholds"]) or None,
                         temperature=sec.temperature, top_p=sec.top_p,
                         draft_confidence=recipe.export.draft_confidence)
     toks = {lv.name: load_tokenizer(resolve_hf_folder(lv.source)) for lv in spec.levels if lv.kind == "model"}
     folder = out / recipe.export.folder
     export_bundle(folder, recipe.model.source, recipe.model.dtype, spec, decoding, ctx.target.tokenizer,
-                  profile=json.loads((out / "profile.json").read_text()),
-                  plan={**plan_summary(best), "candidates": len(plan["rows"])},
+                  profile=profile, plan={**plan_summary(best, profile.get("compiled", False)),
+                                         "candidates": len(plan["rows"])},
                   recipe_yaml=yaml.safe_dump(to_dict(recipe), sort_keys=False),
                   machine=machine_info(recipe.model.dtype, f"polybasic run {ctx.recipe_path}", recipe.model.device),
                   level_tokenizers=toks)

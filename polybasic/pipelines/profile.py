@@ -20,11 +20,14 @@ from polybasic.artifacts import announce, fault_point, write_json
 from polybasic.config import SIBLING, ProfileSection, SamplingConfig
 from polybasic.drafters.data import load_pairs
 from polybasic.errors import ConfigError
+from polybasic.models.prepare import check_compilable
+from polybasic.models.static import covering
 from polybasic.pipelines.quantize import sibling_folder
 from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance
 from polybasic.planner.profile import CostCurve, PairProfile, Profile
 from polybasic.runtime.chain_builder import build_level
 from polybasic.runtime.chainspec import LEVEL_KINDS, named, parse_level_spec
+from polybasic.runtime.compiled import compile_levels
 from polybasic.runtime.levels import ModelLevel, kv_compatible
 from polybasic.runtime.text import encode_prompt, eos_ids
 
@@ -110,6 +113,8 @@ def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
             if _writer(name) not in upstream:
                 LEVEL_KINDS[spec.kind].check_files(spec)
     held_out_prompts(recipe)
+    if recipe.profile.compile:
+        check_compilable(recipe.model.device, "profile.compile")
 
 
 def _key(*parts) -> str:
@@ -130,6 +135,7 @@ def _cached(work: Path, key: str, what: str, measure, to_dict, from_dict):
     if path.is_file():
         announce(f"reused: {what} ({path})")
         return from_dict(json.loads(path.read_text()))
+    announce(f"measuring: {what}")
     value = measure()
     write_json(path, to_dict(value))
     fault_point("profile.measure")
@@ -156,8 +162,11 @@ def run_stage(ctx) -> list[Path]:
     spell = {n: own_level(n, out) for n in levels}
     k_max = max([sec.k, *recipe.plan.k_values])
     tokens = sorted(set(range(1, k_max + 2)) | {2 * (k_max + 1), 3 * (k_max + 1)})
+    if sec.compile:
+        _compile(list(levels.values()), lm, tokens, [sec.context + tokens[-1] + 2]
+                 + [len(p) + sec.max_new_tokens + 1 for p in prompts])
     work = out / "profile" / "work"
-    settings = {"context": sec.context, "reps": sec.reps, "tokens": tokens}
+    settings = {"context": sec.context, "reps": sec.reps, "tokens": tokens, "compile": sec.compile}
     profiled = {}
     for n, lv in levels.items():
         curve = _cached(work, "cost-" + _key(spell[n], _files(spell[n]), settings), f"cost curve of {spell[n]}",
@@ -170,19 +179,40 @@ def run_stage(ctx) -> list[Path]:
     pairs = []
     eos = eos_ids(lm.tokenizer)
     for v, d in _pairs(profiled):
-        acc = {"k": sec.k, "prompts": prompts, "sampling": asdict(sampling), "max_new_tokens": sec.max_new_tokens}
-        key = _key(spell[v], spell[d], _files(spell[v]), _files(spell[d]), acc)
-        pairs.append(_cached(work, "pair-" + key, f"acceptance {spell[v]} <- {spell[d]}",
-                             lambda v=v, d=d: pair_acceptance(levels[v], levels[d], prompts, sec.k, sampling,
-                                                              sec.max_new_tokens, eos),
-                             asdict, lambda x: PairProfile(**x)))
+        cut = _cut(levels[d], profiled[d].kind, recipe.export.draft_confidence)
+        for k in (sec.measured_k_values or [sec.k]) if levels[d].tree_width > 1 or cut else [sec.k]:
+            acc = {"k": k, "prompts": prompts, "sampling": asdict(sampling), "max_new_tokens": sec.max_new_tokens,
+                   "compile": sec.compile, "draft_confidence": cut}  # compiled: the chain's overhead differs
+            key = _key(spell[v], spell[d], _files(spell[v]), _files(spell[d]), acc)
+            pairs.append(_cached(work, "pair-" + key, f"acceptance {spell[v]} <- {spell[d]} at k={k}",
+                                 lambda v=v, d=d, k=k, cut=cut: pair_acceptance(
+                                     levels[v], levels[d], prompts, k, sampling, sec.max_new_tokens, eos,
+                                     draft_confidence=cut),
+                                 asdict, lambda x: PairProfile(**x)))
     profile = Profile("target", list(profiled.values()), pairs, str(lm.model.device),
-                      {"temperature": sec.temperature, "top_k": 0, "top_p": sec.top_p})
+                      {"temperature": sec.temperature, "top_k": 0, "top_p": sec.top_p}, compiled=sec.compile)
     profile.save(out / "profile.json")
     for p in pairs:
         announce(f"  {p.verifier} <- {p.drafter}: mean accepted length {p.mean_accepted_length:.2f} at k={p.k}, "
                  f"rate {p.rate:.3f}")
     return [out / "profile.json"]
+
+
+def _cut(level, kind: str, confidence: float) -> float:
+    """The draft confidence a pair's drafts are measured with: the bundle's (export.draft_confidence) for a drafter
+    whose path drafts it cuts (a model or a head; the chain never cuts a tree, and an n-gram cannot tell), else 0."""
+    return confidence if kind != "ngram" and level.tree_width == 1 else 0.0
+
+
+def _compile(levels: list, lm, tokens: list[int], lengths: list[int]) -> None:
+    """Compile every level's steps (profile.compile), each size a forward of `tokens` rows takes as a bundle's
+    compiled chain would run it (the device's step sizes, a call between them padded up), caches for `lengths`."""
+    dev = lm.model.device
+    sizes = covering(None, [tokens[-1]], dev)
+    announce(f"compiling the levels' steps for the profile (sizes {','.join(map(str, sizes))}; profile.compile)")
+    seconds = compile_levels(levels, max(lengths), lm.gguf_file, sizes, notify=announce, flag="profile.compile",
+                             lengths=lengths, trees=any(lv.tree_width > 1 for lv in levels[1:]))
+    announce(f"compiled steps ready in {seconds:.1f} s")
 
 
 def _pairs(profiled: dict) -> list[tuple[str, str]]:

@@ -27,7 +27,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("distill", "self-distill data and train EAGLE drafter heads (for the target and/or its copy)",
           "polybasic.pipelines.distill:run_stage", ("distill",), ("quantize",)),
     Stage("profile", "measure every candidate level's forward cost and every pair's acceptance",
-          "polybasic.pipelines.profile:run_stage", ("profile",), ("quantize", "distill")),
+          "polybasic.pipelines.profile:run_stage", ("profile", "export"), ("quantize", "distill")),  # export:
+    # its draft_confidence cuts the drafts measured
     Stage("plan", "rank candidate chains by predicted time per token (the paper's theory + measured curves)",
           "polybasic.pipelines.plan:run_stage", ("plan",), ("profile",)),
     Stage("export", "write the planned chain as a bundle (manifest, level weights, model card)",

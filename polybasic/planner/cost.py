@@ -11,9 +11,10 @@ measured-curve model (`predict`): mirrors the runtime's schedule (runtime/chain.
   as one chunk (distribution by a renewal recursion, expected rounds by Wald's identity);
 - the target's rounds are the output; every verification also pays the pair's measured overhead.
 Each forward is priced with the level's profiled curve T_i(M), interpolated.
-A link whose drafter drafts token trees (PairProfile.tree_width > 1) is priced at M = tree size + 1 over its
-measured tree sizes and yields tokens per verification as its measured histogram (at the profiled k only: the
-tree's shape is measured, not modelled).
+A link whose drafter drafts token trees (PairProfile.tree_width > 1), or paths cut by a draft confidence, is priced
+at M = draft size + 1 over its measured sizes and yields tokens per verification as its measured histogram (at the ks
+it was profiled at only: the drafts' shape is measured, not modelled); a confidence-cut drafter runs as many forwards
+as it drafted.
 
 paper model (`predict_lemma`): Lemma 3.1 with constant T_i = T_i(1) (an n-gram proposal: T(k)), the
 same per-link mean accepted lengths, alpha = k (1 for an n-gram proposer).
@@ -85,7 +86,7 @@ def baseline_ms(profile: Profile) -> float:
 def _pairs(profile: Profile, cfg: ChainConfig) -> list[PairProfile]:
     out = []
     for a, b in zip(cfg.levels, cfg.levels[1:]):
-        p = profile.pair(a, b)
+        p = profile.pair(a, b, cfg.k)
         if p is None:
             raise ConfigError(f"chain {cfg.spec}: the pair {a} <- {b} is not profiled; profile it or drop the chain")
         out.append(p)
@@ -159,9 +160,10 @@ def predict(profile: Profile, cfg: ChainConfig, new_tokens: int | None = None) -
     for i in range(n - 2, -1, -1):
         seen[i] = drafts
         per_round[i] = round_tokens(pairs[i].rate, drafts)
-        if pairs[i].tree_width > 1:  # a tree: measured tokens per verification, priced over its measured sizes
-            check(cfg.k == pairs[i].k, "k", f"{cfg.k}: the tree pair {pairs[i].verifier} <- {pairs[i].drafter} was "
-                  f"measured at k = {pairs[i].k} only", "plan trees at their profiled k (search.ks)")
+        if pairs[i].shaped:  # a tree, or drafts cut by a confidence: measured tokens per verification and sizes
+            check(cfg.k == pairs[i].k, "k", f"{cfg.k}: the pair {pairs[i].verifier} <- {pairs[i].drafter} was "
+                  f"measured at k = {', '.join(map(str, profile.measured_ks(pairs[i].verifier, pairs[i].drafter)))} only",
+                  "plan it at the ks it was profiled at (search.ks)")
             seen[i], per_round[i] = _normalised(pairs[i].sizes), _normalised(pairs[i].histogram)
         if i > 0:
             drafts, rounds[i] = chunk(per_round[i], cfg.thresholds[i - 1])
@@ -186,12 +188,14 @@ def predict(profile: Profile, cfg: ChainConfig, new_tokens: int | None = None) -
     last, c = lvs[-1], lvs[-1].cost
     if last.kind == "ngram":  # one lookup of k tokens
         fwd, mean_m, ms_prop = 1, float(k), c.at(k)
-    else:  # k forwards, the first a catch-up
+    else:  # k forwards (drafts cut by a confidence: as many as drafted), the first a catch-up
         after = 1 / rounds[-1] if n > 2 else 0.0
         first = _first_feed(last.kind, {l - 1: p for l, p in per_round[-1].items()}, p_whole[-1], after,
                             p_whole[-2] if n > 2 else 0.0)
-        fwd, mean_m = k, (_expect(first, float) + k - 1) / k
-        ms_prop = _expect(first, c.at) + (k - 1) * c.at(1)
+        # a draft of d > 0 tokens: d forwards, the first a catch-up; none for an empty one (the budget's last token)
+        fwd, drafting = (_expect(seen[-1], float), 1 - seen[-1].get(0, 0.0)) if bottom.draft_confidence > 0 else (k, 1)
+        mean_m = (drafting * _expect(first, float) + fwd - drafting) / fwd if fwd else 0.0
+        ms_prop = drafting * _expect(first, c.at) + (fwd - drafting) * c.at(1)
     loads.append(LevelLoad(last.name, per_target[-1] * fwd / tau, mean_m, per_target[-1] * ms_prop / tau))
     total += per_target[-1] * ms_prop
     ms_token = total / tau

@@ -138,17 +138,18 @@ def level_profile(level: Level, curve: CostCurve, base: str | None = None) -> Le
 
 def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]], k: int,
                     sampling: SamplingConfig = SamplingConfig(), max_new_tokens: int = 64,
-                    eos: Iterable[int] = (), seed: int = 0) -> PairProfile:
+                    eos: Iterable[int] = (), seed: int = 0, draft_confidence: float = 0.0) -> PairProfile:
     """Acceptance of drafter's k-token drafts by verifier: a two-level Chain over held-out prompts
     (token ids; never the benchmark's). The per-token rate is Theorem 3.3 inverted on the
     verifications whose draft had all k tokens; the overhead is the chain's time outside the two
     levels' own calls, per verification. draft_fill (mean draft length / k) is 1 for a model or a
     head, which always propose k tokens but at a generation's end; for an n-gram proposer it is
     measured without each generation's last draft (cut by the budget). A drafter of token trees (tree_width > 1)
-    also gets its tree sizes (sizes), and the planner takes its tokens per verification from the histogram."""
+    also gets its tree sizes (sizes), and the planner takes its tokens per verification from the histogram; so does a
+    drafter whose path drafts end early at draft_confidence (Chain.draft_confidence; sizes: its draft lengths)."""
     check_k(k)
     check(len(prompts) > 0, "prompts", "is empty", "pass held-out prompts from the training data")
-    chain = Chain([verifier, drafter], k=k, eos=frozenset(eos))
+    chain = Chain([verifier, drafter], k=k, eos=frozenset(eos), draft_confidence=draft_confidence)
     link = LinkStats(verifier.name, drafter.name)
     outside_s, inner = 0.0, []  # inner: draft lengths but each generation's last
     dev = _device(verifier)
@@ -171,9 +172,10 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
     else:  # no full-length draft (an n-gram proposer that rarely finds k tokens): the mean draft length
         rate = acceptance_rate(s["mean_accepted_length"], drafted) if drafted > 0 else 0.0
     fill = min(1.0, sum(inner) / len(inner) / k) if level_kind(drafter) == "ngram" and inner else 1.0
-    sizes = counts(link.drafted) if drafter.tree_width > 1 else {}
+    sizes = counts(link.drafted) if drafter.tree_width > 1 or draft_confidence > 0 else {}
     return PairProfile(verifier.name, drafter.name, k, n, s["mean_accepted_length"], rate, fill, s["histogram"],
-                       max(0.0, outside_s) * 1e3 / n, drafter.tree_width, sizes, s.get("by_rank", {}))
+                       max(0.0, outside_s) * 1e3 / n, drafter.tree_width, sizes, s.get("by_rank", {}),
+                       draft_confidence)
 
 
 def profile_tokens(k: int) -> tuple[int, ...]:

@@ -82,8 +82,11 @@ class PairProfile:
     histogram: dict = field(default_factory=dict)  # accepted length -> verifications (int keys; str in JSON)
     overhead_ms: float = 0.0  # chain bookkeeping per verification outside the level forwards
     tree_width: int = 1  # > 1: the drafter drafts token trees of this many leaves (runtime.tree_verify)
-    sizes: dict = field(default_factory=dict)  # tree pairs: tree size (nodes) -> verifications (int keys; str in JSON)
+    sizes: dict = field(default_factory=dict)  # tree pairs: tree size (nodes), confidence-cut pairs: draft length ->
+    # verifications (int keys; str in JSON)
     by_rank: dict = field(default_factory=dict)  # tree pairs: "depth:rank" -> [accepted, tried] (LinkStats.by_rank)
+    draft_confidence: float = 0.0  # > 0: path drafts cut after a token the drafter gave less (Chain.draft_confidence);
+    # their lengths are measured (sizes) like a tree's shape, and planned at the ks measured
 
     def __post_init__(self) -> None:
         where = f"pairs[{self.verifier}<-{self.drafter}]"
@@ -91,10 +94,20 @@ class PairProfile:
         check(0 <= self.rate <= 1, f"{where}.rate", f"must be in [0, 1], got {self.rate}", "re-run the profile")
         check(0 <= self.draft_fill <= 1, f"{where}.draft_fill", f"must be in [0, 1], got {self.draft_fill}",
               "mean draft length / k")
-        check(self.tree_width == 1 or (self.histogram and self.sizes), f"{where}.histogram",
-              "a tree pair needs its measured histogram and tree sizes", "re-run the profile")
+        check(0 <= self.draft_confidence < 1, f"{where}.draft_confidence", f"must be in [0, 1), got "
+              f"{self.draft_confidence}", "the confidence the drafts were measured with (0: full drafts)")
+        check(self.tree_width == 1 or self.draft_confidence == 0, f"{where}.draft_confidence",
+              "a tree pair's drafts are never cut (runtime.chain)", "measure trees with 0")
+        check(not self.shaped or (self.histogram and self.sizes), f"{where}.histogram",
+              "a tree pair or one with a draft confidence needs its measured histogram and draft sizes",
+              "re-run the profile")
         self.histogram = {int(a): int(n) for a, n in self.histogram.items()}  # JSON keys are strings
         self.sizes = {int(a): int(n) for a, n in self.sizes.items()}
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the drafts' shape is measured, not modelled: token trees, or paths cut by a draft confidence."""
+        return self.tree_width > 1 or self.draft_confidence > 0
 
     @property
     def nodes(self) -> float:
@@ -110,6 +123,7 @@ class Profile:
     pairs: list[PairProfile]
     device: str = "cpu"
     sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p the pairs were measured at
+    compiled: bool = False  # the levels ran compiled steps (runtime.compiled): the baseline is compiled plain decoding
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -126,6 +140,9 @@ class Profile:
                       "is not a profiled level", f"use one of {names}")
             check(self.level(p.verifier).kind == "model", f"pairs[{p.verifier}<-{p.drafter}].verifier",
                   "must be a model level (only models verify)", "swap the pair")
+        keys = [(p.verifier, p.drafter, p.k) for p in self.pairs]
+        check(len(set(keys)) == len(keys), "pairs", f"repeat a (verifier, drafter, k): {keys}",
+              "keep one measurement per pair and draft length")
 
     def level(self, name: str) -> LevelProfile:
         for lv in self.levels:
@@ -133,8 +150,16 @@ class Profile:
                 return lv
         raise ConfigError(f"level {name!r}: not in the profile; profiled levels: {[lv.name for lv in self.levels]}")
 
-    def pair(self, verifier: str, drafter: str) -> PairProfile | None:
-        return next((p for p in self.pairs if p.verifier == verifier and p.drafter == drafter), None)
+    def pair(self, verifier: str, drafter: str, k: int | None = None) -> PairProfile | None:
+        """The pair's profile: measured at draft length k where it was (a tree drafter's, measured per k), else its
+        first (a path pair's rate carries to any k)."""
+        found = [p for p in self.pairs if p.verifier == verifier and p.drafter == drafter]
+        return next((p for p in found if p.k == k), found[0] if found else None)
+
+    def measured_ks(self, verifier: str, drafter: str) -> list[int]:
+        """The draft lengths a pair whose drafts' shape is measured (PairProfile.shaped) was profiled at (none for a
+        pair of full path drafts: its rate carries to any k)."""
+        return sorted(p.k for p in self.pairs if p.verifier == verifier and p.drafter == drafter and p.shaped)
 
     def to_dict(self) -> dict:
         return asdict(self)

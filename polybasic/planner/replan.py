@@ -37,7 +37,7 @@ def reprofile(dec: BundleDecoder, reps: int = 5, k_values: tuple[int, ...] = tup
     dec.manifest.plan = {**(m.plan or {}), "chain": best.spec, "levels": best.chain, "k": best.k,
                          "thresholds": best.thresholds, "predicted_speedup": best.speedup,
                          "predicted_speedup_lemma": best.speedup_lemma, "tau": best.tau,
-                         "reprofiled": True}
+                         "reprofiled": True, "compiled": False}  # cost_curve timed the levels as loaded: eager
     dec.manifest.decoding = Decoding(best.k, tuple(best.thresholds) or None, d.adaptive_k, d.temperature,
                                      d.top_k, d.top_p, d.draft_confidence)
     dec.manifest.profile = profile.to_dict()

@@ -112,6 +112,9 @@ def chain_problem(profile: Profile, chain: tuple[str, ...]) -> str | None:
             return f"{name}: an EAGLE head drafts only at the bottom, right below {lv.base}"
         if i and profile.pair(chain[i - 1], name) is None:
             return f"the pair {chain[i - 1]} <- {name} is not profiled"
+        if 0 < i < len(chain) - 1 and profile.pair(chain[i - 1], name).shaped:
+            return (f"{name}: its drafts' shape was measured as the bottom level's (a token tree, or cut by a draft "
+                    "confidence); a middle level's chunks are not")
     return None
 
 
@@ -132,10 +135,9 @@ def plan(profile: Profile, space: SearchSpace = SearchSpace()) -> Plan:
 
 
 def ks(profile: Profile, chain: tuple[str, ...], space: SearchSpace) -> list[int]:
-    """The draft lengths to try for a chain: the search space's, or the profiled k alone where the bottom drafts
-    token trees (their acceptance is measured per shape, not modelled)."""
-    bottom = profile.pair(chain[-2], chain[-1])
-    return [bottom.k] if bottom is not None and bottom.tree_width > 1 else list(space.k_values)
+    """The draft lengths to try for a chain: the search space's, or where the bottom drafts token trees the ks its
+    trees were profiled at (their acceptance is measured per shape, not modelled)."""
+    return profile.measured_ks(chain[-2], chain[-1]) or list(space.k_values)
 
 
 def _row(profile: Profile, cfg: ChainConfig, pred: Prediction, new_tokens: int | None) -> Row:

@@ -106,6 +106,12 @@ class Manifest:
     def predicted_speedup(self) -> float | None:
         return (self.plan or {}).get("predicted_speedup")
 
+    @property
+    def planned_compiled(self) -> bool:
+        """Whether the plan timed compiled steps: its predicted speedup is then the chain's, compiled, over compiled
+        plain decoding (else both eager)."""
+        return bool((self.plan or {}).get("compiled", False))
+
 
 # -- fingerprints ---------------------------------------------------------------------------------
 def sha256_file(path: str | Path) -> str:

@@ -31,8 +31,9 @@ def _figures(m) -> list[str]:
     plan = m.plan or {}
     out = []
     if plan.get("predicted_speedup") is not None:
+        how = ", both on compiled steps" if plan.get("compiled") else ""
         out.append(f"- Predicted speedup over the target's own decoding: **{plan['predicted_speedup']:.2f}x** "
-                   f"({plan.get('model', 'planner')}).")
+                   f"({plan.get('model', 'planner')}{how}).")
     for key, label in (("predicted_tokens_per_s", "Predicted tokens/s"), ("tau", "Tokens per target forward")):
         if plan.get(key) is not None:
             out.append(f"- {label}: {plan[key]:.2f}.")

@@ -47,6 +47,10 @@ def test_overrides_are_checked_like_the_recipe(tmp_path):
         load_recipe("smollm2-quick", ["distill.train.lrr=1"])
     with pytest.raises(ConfigError, match=r"profile\.prompts: must be an integer >= 1"):
         load_recipe("smollm2-quick", ["profile.prompts=0"])
+    with pytest.raises(ConfigError, match=r"profile\.measured_k_values: must be integers >= 1, got \[2, 0\]"):
+        load_recipe("smollm2-quick", ["profile.measured_k_values=[2, 0]"])
+    with pytest.raises(ConfigError, match=r"profile\.compile: expected bool, got 'yes please'"):
+        load_recipe("smollm2-quick", ["profile.compile=yes please"])
 
 
 def test_recipes_command_lists_every_shipped_recipe(capsys):

@@ -156,3 +156,38 @@ def test_run_checks_every_stage_before_loading(tmp_path):
 
         run_recipe(overlap)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_profile_on_compiled_steps_plans_against_compiled_plain_decoding(tmp_path, monkeypatch):
+    """profile.compile: every level is timed on compiled steps (the target's plain decode step too, the baseline), the
+    profile and the bundle's plan say so, a tree drafter is measured at each of profile.measured_k_values, and the
+    bundle still decodes the target's own greedy tokens."""
+    import polybasic.pipelines.profile as stage
+    from polybasic.runtime.generate import generate_tokens
+
+    path = _recipe(tmp_path, profile={"levels": ["ngram", "ngram:3/2"], "compile": True, "measured_k_values": [2, 3]})
+    r = yaml.safe_load(path.read_text())
+    r["stages"] = ["profile", "plan", "export"]
+    path.write_text(yaml.safe_dump(r))
+    compiled = []
+
+    def spy(levels, *a, **kw):
+        seconds = stage_compile(levels, *a, **kw)
+        compiled.append([getattr(getattr(lv, "model", None), "_static", None) is not None for lv in levels])
+        return seconds
+
+    stage_compile = stage.compile_levels
+    monkeypatch.setattr(stage, "compile_levels", spy)
+    assert main(["run", str(path)]) == 0
+    assert compiled == [[True, False, False]]  # the target's steps compiled before any measurement (its tree steps
+    # too: it verifies the n-gram's trees); the n-grams have none
+    out = tmp_path / "run"
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["compiled"] is True
+    assert sorted(p["k"] for p in profile["pairs"] if p["drafter"] == "ngram:3/2") == [2, 3]  # a tree, per k
+    m = B.check_bundle(out / "bundle")
+    assert m.planned_compiled and m.plan["compiled"] is True
+    decoder = B.load(out / "bundle")
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    assert decoder.chain.generate(prompt, 10)[0] == list(generate_tokens(decoder.target.model, prompt, 10,
+                                                                         eos=decoder.chain.eos))

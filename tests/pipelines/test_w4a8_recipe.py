@@ -1,7 +1,7 @@
 """A recipe whose target is 'NAME@w4a8' (a GGUF's own codes on the CPU kernel w4a8) runs every stage of the shipped
 `qwen2.5-coder-1.5b-w4a8` recipe (distill, profile, plan, export) on a tiny GGUF: the head learns from the coded
-target's features, the profile measures the head as trained and on 4-bit weights ('eagle:target@w4a8', paths and trees), and the
-bundle decodes the target's own greedy tokens. Killed with SIGKILL in training and in the profile, the run resumes
+target's features, the profile measures the head as trained and on 4-bit weights ('eagle:target@w4a8', paths and trees
+at two ks), and the bundle decodes the target's own greedy tokens. Killed with SIGKILL in training and in the profile, the run resumes
 to the same head as an uninterrupted run."""
 import json
 from pathlib import Path
@@ -28,7 +28,7 @@ def _recipe(tmp_path, gguf) -> Path:
                           "train": {"batch_size": 2, "max_epochs": 2, "lr": 1e-3, "checkpoint_every_n_steps": 3,
                                     "precision": "bf16-mixed", "compile_loss": False}},
               "profile": {"levels": ["eagle:target@w4a8", "eagle:target@w4a8#2", "eagle:target", "ngram"], "data": str(data), "prompts": 2,
-                          "max_new_tokens": 8, "k": 3, "context": 32, "reps": 1},
+                          "max_new_tokens": 8, "k": 3, "measured_k_values": [2, 3], "context": 32, "reps": 1},
               "plan": {"k_values": [2, 3], "thresholds": [4], "max_levels": 3, "new_tokens": 16}}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -52,7 +52,8 @@ def test_a_w4a8_target_recipe_runs_every_stage_and_resumes_after_kills(tmp_path,
     assert "reused: cost curve of" in capsys.readouterr().out
     profile = json.loads((run / "profile.json").read_text())
     assert {"eagle:target@w4a8", "eagle:target@w4a8#2", "eagle:target", "ngram"} <= {lv["name"] for lv in profile["levels"]}
-    assert {p["drafter"]: p["tree_width"] for p in profile["pairs"]}["eagle:target@w4a8#2"] == 2  # its trees measured
+    trees = [p for p in profile["pairs"] if p["drafter"] == "eagle:target@w4a8#2"]
+    assert sorted(p["k"] for p in trees) == [2, 3] and {p["tree_width"] for p in trees} == {2}  # its trees, per k
     decoder = load(str(run / "bundle"))
     target = load_any_model(f"{tiny_gguf}@w4a8", "bfloat16").model
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]

@@ -142,3 +142,24 @@ def test_a_tree_link_is_priced_at_its_size_with_its_measured_lengths():
         predict(prof, ChainConfig(("t", "ng/3"), k=3))
     assert [r.k for r in plan(prof).rows] == [2]  # trees are planned at their profiled k only
     assert Profile.from_dict(prof.to_dict()).pairs[0] == tree
+
+
+def test_a_tree_profiled_at_two_ks_is_planned_at_both_and_keeps_the_faster():
+    def tree(k, hist, sizes):
+        return PairProfile("t", "ng/2", k=k, verifications=100, mean_accepted_length=1.0, rate=0.3, histogram=hist,
+                           tree_width=2, sizes=sizes)
+
+    t2, t3 = tree(2, {1: 50, 2: 30, 3: 20}, {4: 1}), tree(3, {1: 40, 2: 30, 3: 20, 4: 10}, {6: 1})
+    flat_then_steep = curve([10, 10, 10, 10, 10, 20, 30], decode_ms=10)  # 5 rows cost as 1, 6 rows twice as much
+    prof = Profile("t", [LevelProfile("t", "model", flat_then_steep), LevelProfile("ng/2", "ngram", curve([1, 1]))],
+                   [t3, t2])
+    assert prof.pair("t", "ng/2", 2) is t2 and prof.pair("t", "ng/2", 3) is t3 and prof.measured_ks("t", "ng/2") == [2, 3]
+    # k 2: tau 1.7 for T(5) + 1; k 3: tau 2.0 for T(7) + 1
+    assert predict(prof, ChainConfig(("t", "ng/2"), k=2)).ms_per_token == pytest.approx(11 / 1.7, rel=1e-12)
+    assert predict(prof, ChainConfig(("t", "ng/2"), k=3)).ms_per_token == pytest.approx(31 / 2.0, rel=1e-12)
+    best = plan(prof).best
+    assert best.k == 2 and best.tau == pytest.approx(1.7)
+    with pytest.raises(ConfigError, match="measured at k = 2, 3 only"):
+        predict(prof, ChainConfig(("t", "ng/2"), k=4))
+    with pytest.raises(ConfigError, match="repeat a"):
+        Profile("t", prof.levels, [t2, t2])

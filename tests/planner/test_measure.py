@@ -98,3 +98,24 @@ def test_medians_ms_round_robin():
     assert order == ["a", "b"] * 3 and len(out) == 2 and all(t >= 0 for t in out)
     with pytest.raises(ConfigError, match="reps"):
         medians_ms([lambda: None], reps=0)
+
+
+def test_a_confidence_cut_pair_records_its_draft_lengths_and_the_plan_prices_them():
+    hf = tiny_hf_llama(seed=3, vocab=64, init_std=0.2)
+    target = ModelLevel(lean_from_hf(hf), "target")
+    near = ModelLevel(lean_from_hf(perturbed_copy(hf, 0.3)), "near")
+    prompts = [[5, 6, 7, 5, 6], [9, 2, 9, 2]]
+    full = pair_acceptance(target, near, prompts, 4, max_new_tokens=24)
+    cut = pair_acceptance(target, near, prompts, 4, max_new_tokens=24, draft_confidence=0.9)
+    assert full.sizes == {} and full.draft_confidence == 0 and not full.shaped
+    lengths = cut.sizes
+    assert cut.shaped and cut.draft_confidence == 0.9 and sum(lengths.values()) == cut.verifications
+    assert any(0 < d < 4 for d in lengths) and max(lengths) <= 4  # a tiny random model is unsure: some end early
+    curves = [level_profile(lv, cost_curve(lv, range(1, 6), 16, reps=1)) for lv in (target, near)]
+    prof = Profile("target", curves, [cut])
+    pred = predict(prof, ChainConfig(("target", "near"), 4))
+    assert pred.tau == pytest.approx(cut.mean_accepted_length)
+    drafted = sum(d * n for d, n in lengths.items()) / cut.verifications
+    assert pred.levels[1].forwards_per_token == pytest.approx(drafted / pred.tau)  # as many forwards as drafted
+    with pytest.raises(ConfigError, match="measured at k = 4 only"):
+        predict(prof, ChainConfig(("target", "near"), 3))
