@@ -309,7 +309,7 @@ def _chain_runner(ctx: BenchContext, make_levels: Callable[[], list], thresholds
                  for ln in stats.links}
         return Output(list(tokens), t.seconds, float(stats.tau) if stats.tau is not None else None,
                       links[f"{stats.links[-1].verifier}<-{stats.links[-1].drafter}"], links)
-    run.chain = (make_levels, k or ctx.draft_tokens, thresholds)  # what bench.predict profiles
+    run.chain = (make_levels, k or ctx.draft_tokens, thresholds, confidence)  # what bench.predict profiles
     return run
 
 

@@ -15,7 +15,7 @@ from polybasic.config import SamplingConfig
 from polybasic.data.catalog import ALPACA
 from polybasic.drafters.data import load_pairs
 from polybasic.planner.cost import ChainConfig, predict
-from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance, profile_tokens
+from polybasic.planner.measure import cost_curve, level_kind, level_profile, pair_acceptance, profile_tokens
 from polybasic.planner.profile import Profile
 from polybasic.runtime.text import encode_prompt
 
@@ -28,12 +28,15 @@ def held_out_prompts(tokenizer, n: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, q) for q, _ in load_pairs(ALPACA)[-n:]]
 
 
-def predict_chains(chains: dict[str, tuple[Callable[[], list], int, list[int] | None]], prompts: Sequence[list[int]],
+def predict_chains(chains: dict[str, tuple[Callable[[], list], int, list[int] | None, float]],
+                   prompts: Sequence[list[int]],
                    eos, sampling: SamplingConfig, max_new_tokens: int,
                    notify: Callable[[str], None] = lambda _: None) -> dict[str, float]:
-    """{method: (its levels' maker, k, thresholds or None)} -> {method: the predicted speedup over plain decoding}."""
+    """{method: (its levels' maker, k, thresholds or None, draft confidence)} -> {method: the predicted speedup over
+    plain decoding}. A chain whose drafts a confidence cuts has its bottom pair measured so (planner.cost prices the
+    measured lengths)."""
     curves, links, out = {}, {}, {}
-    for method, (make_levels, k, thresholds) in chains.items():
+    for method, (make_levels, k, thresholds, confidence) in chains.items():
         levels = make_levels()
         for lv in levels[1:]:  # as Chain does: a model-free level takes the target's vocabulary
             lv.vocab_size = lv.vocab_size or levels[0].vocab_size
@@ -49,11 +52,13 @@ def predict_chains(chains: dict[str, tuple[Callable[[], list], int, list[int] | 
         for lv in levels:
             if (id(lv), tokens) not in curves:
                 curves[id(lv), tokens] = level_profile(lv, cost_curve(lv, tokens, context, reps=5))
-        for v, d in zip(levels, levels[1:]):
-            if (id(v), id(d), k) not in links:
-                links[id(v), id(d), k] = pair_acceptance(v, d, fit, k, sampling, PROFILE_TOKENS, eos)
-        profile = Profile(names[0], [curves[id(lv), tokens] for lv in levels],
-                          [links[id(v), id(d), k] for v, d in zip(levels, levels[1:])])
+        bottom = levels[-1]  # the level whose path drafts the confidence cuts (never a tree, never an n-gram)
+        cut = confidence if bottom.tree_width == 1 and level_kind(bottom) != "ngram" else 0.0
+        keys = [(id(v), id(d), k, cut if d is bottom else 0.0) for v, d in zip(levels, levels[1:])]
+        for (v, d), key in zip(zip(levels, levels[1:]), keys):
+            if key not in links:
+                links[key] = pair_acceptance(v, d, fit, k, sampling, PROFILE_TOKENS, eos, draft_confidence=key[3])
+        profile = Profile(names[0], [curves[id(lv), tokens] for lv in levels], [links[key] for key in keys])
         cfg = ChainConfig(tuple(names), k, tuple(thresholds or [k + 1] * (len(levels) - 2)))
         out[method] = predict(profile, cfg, new_tokens=max_new_tokens).speedup
     return out

@@ -271,3 +271,27 @@ def test_predict_prices_every_chain_method(tiny_model_dir, questions_file, tmp_p
     assert "profiling its levels" in capsys.readouterr().err
     assert main(["bench", "--model", "/nonexistent", "--questions", str(questions_file), "--predict", "-1"]) == 2
     assert "predict: must be >= 0" in capsys.readouterr().err
+
+
+def test_predict_measures_a_chain_s_drafts_cut_as_it_runs_them(tiny_model_dir, questions_file, tmp_path, monkeypatch):
+    """With --draft-confidence, --predict measures the bottom pair's drafts with that cut (their measured lengths
+    priced), and an n-gram bottom, which cannot tell a confidence, without."""
+    import polybasic.bench.predict as bp
+
+    seen = []
+    measure = bp.pair_acceptance
+
+    def spy(v, d, *a, draft_confidence=0.0, **kw):
+        seen.append((d.name, draft_confidence))
+        return measure(v, d, *a, draft_confidence=draft_confidence, **kw)
+
+    monkeypatch.setattr(bp, "pair_acceptance", spy)
+    out = tmp_path / "b.json"
+    methods = ["vanilla", "chain:target@bfloat16", "pld"]
+    assert main(["bench", "--model", str(tiny_model_dir), "--questions", str(questions_file), "--per-category", "1",
+                 "--categories", "qa", "--max-new-tokens", "8", "--draft-tokens", "3", "--draft-confidence", "0.5",
+                 "--methods", ",".join(methods), "--json", str(out), "--no-progress", "--warmup", "0",
+                 "--predict", "2"]) == 0
+    d = json.loads(out.read_text())["methods"]
+    assert d["chain:target@bfloat16"]["predicted_speedup"] > 0 and d["pld"]["predicted_speedup"] > 0
+    assert sorted(seen) == [("ngram", 0.0), ("target@bfloat16", 0.5)]
