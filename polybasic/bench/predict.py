@@ -15,7 +15,7 @@ from polybasic.config import SamplingConfig
 from polybasic.data.catalog import ALPACA
 from polybasic.drafters.data import load_pairs
 from polybasic.planner.cost import ChainConfig, predict
-from polybasic.planner.measure import cost_curve, level_kind, level_profile, pair_acceptance, profile_tokens
+from polybasic.planner.measure import confidence_cut, cost_curve, level_profile, pair_acceptance, profile_tokens
 from polybasic.planner.profile import Profile
 from polybasic.runtime.text import encode_prompt
 
@@ -52,9 +52,8 @@ def predict_chains(chains: dict[str, tuple[Callable[[], list], int, list[int] | 
         for lv in levels:
             if (id(lv), tokens) not in curves:
                 curves[id(lv), tokens] = level_profile(lv, cost_curve(lv, tokens, context, reps=5))
-        bottom = levels[-1]  # the level whose path drafts the confidence cuts (never a tree, never an n-gram)
-        cut = confidence if bottom.tree_width == 1 and level_kind(bottom) != "ngram" else 0.0
-        keys = [(id(v), id(d), k, cut if d is bottom else 0.0) for v, d in zip(levels, levels[1:])]
+        cut = confidence_cut(levels[-1], confidence)  # the bottom's drafts only
+        keys = [(id(v), id(d), k, cut if d is levels[-1] else 0.0) for v, d in zip(levels, levels[1:])]
         for (v, d), key in zip(zip(levels, levels[1:]), keys):
             if key not in links:
                 links[key] = pair_acceptance(v, d, fit, k, sampling, PROFILE_TOKENS, eos, draft_confidence=key[3])

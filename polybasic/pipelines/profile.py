@@ -23,7 +23,7 @@ from polybasic.errors import ConfigError
 from polybasic.models.prepare import check_compilable
 from polybasic.models.static import covering
 from polybasic.pipelines.quantize import sibling_folder
-from polybasic.planner.measure import cost_curve, level_profile, pair_acceptance
+from polybasic.planner.measure import confidence_cut, cost_curve, level_profile, pair_acceptance
 from polybasic.planner.profile import CostCurve, PairProfile, Profile
 from polybasic.runtime.chain_builder import build_level
 from polybasic.runtime.chainspec import LEVEL_KINDS, named, parse_level_spec
@@ -179,7 +179,7 @@ def run_stage(ctx) -> list[Path]:
     pairs = []
     eos = eos_ids(lm.tokenizer)
     for v, d in _pairs(profiled):
-        cut = _cut(levels[d], profiled[d].kind, recipe.export.draft_confidence)
+        cut = confidence_cut(levels[d], recipe.export.draft_confidence)  # the bundle's, as it drafts
         for k in (sec.measured_k_values or [sec.k]) if levels[d].tree_width > 1 or cut else [sec.k]:
             acc = {"k": k, "prompts": prompts, "sampling": asdict(sampling), "max_new_tokens": sec.max_new_tokens,
                    "compile": sec.compile, "draft_confidence": cut}  # compiled: the chain's overhead differs
@@ -196,12 +196,6 @@ def run_stage(ctx) -> list[Path]:
         announce(f"  {p.verifier} <- {p.drafter}: mean accepted length {p.mean_accepted_length:.2f} at k={p.k}, "
                  f"rate {p.rate:.3f}")
     return [out / "profile.json"]
-
-
-def _cut(level, kind: str, confidence: float) -> float:
-    """The draft confidence a pair's drafts are measured with: the bundle's (export.draft_confidence) for a drafter
-    whose path drafts it cuts (a model or a head; the chain never cuts a tree, and an n-gram cannot tell), else 0."""
-    return confidence if kind != "ngram" and level.tree_width == 1 else 0.0
 
 
 def _compile(levels: list, lm, tokens: list[int], lengths: list[int]) -> None:

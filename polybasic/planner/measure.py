@@ -54,6 +54,12 @@ def level_kind(level: Level) -> str:
                       "use a ModelLevel, an EagleLevel or an NGramLevel")
 
 
+def confidence_cut(level: Level, confidence: float) -> float:
+    """The draft confidence that cuts `level`'s drafts as a chain's bottom: `confidence` for path drafts of a model
+    or a head, 0 for token trees (the chain never cuts a tree) and for an n-gram proposer (it cannot tell)."""
+    return confidence if level.tree_width == 1 and level_kind(level) != "ngram" else 0.0
+
+
 def _device(level: Level) -> torch.device:
     level = drafting(level)
     if isinstance(level, ModelLevel):

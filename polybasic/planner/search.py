@@ -135,8 +135,8 @@ def plan(profile: Profile, space: SearchSpace = SearchSpace()) -> Plan:
 
 
 def ks(profile: Profile, chain: tuple[str, ...], space: SearchSpace) -> list[int]:
-    """The draft lengths to try for a chain: the search space's, or where the bottom drafts token trees the ks its
-    trees were profiled at (their acceptance is measured per shape, not modelled)."""
+    """The draft lengths to try for a chain: the search space's, or where the bottom's drafts have a measured shape
+    (token trees, drafts cut by a confidence) the ks they were profiled at (measured per shape, not modelled)."""
     return profile.measured_ks(chain[-2], chain[-1]) or list(space.k_values)
 
 
