@@ -12,7 +12,7 @@ by "/". Several chains compare side by side: repeat --chain, each followed by it
 two chains share are loaded once). --prompts: the last --limit prompts of a data set (a shipped name or an Alpaca
 JSON file; never a benchmark's) instead of the four below. Prints tokens/s per config over the prompts (greedy, 128 new tokens each,
 prefill included), with tau and each level's forwards, tokens fed and seconds, and checks that every config's
-tokens are the target's (vanilla's, when --vanilla runs it).
+tokens are the target's (vanilla's, when --vanilla runs it). --prefill: the prompts' prefills alone, in seconds.
 """
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", help="a data set's last --limit prompts instead of the built-in four (e.g. "
                    "work-mix-48, the profile's held-out prompts)")
     p.add_argument("--limit", type=int, default=12)
+    p.add_argument("--prefill", action="store_true", help="also time each prompt's prefill alone (the target's "
+                   "forward over the prompt and its first token, which plain decoding and every chain pay)")
     a = p.parse_args(argv)
     if len(a.configs) != len(a.chain):
         p.error(f"{len(a.chain)} --chain but {len(a.configs)} --configs: give each chain its own --configs")
@@ -80,6 +82,10 @@ def main(argv=None) -> None:
     rows = {}
     for x in prompts:  # configs interleaved per prompt: drifts of the machine hit all alike
         ref = None
+        if a.prefill:
+            t0 = time.perf_counter()
+            n = len(list(generate_tokens(lm.model, x, 1, eos=eos)))
+            rows.setdefault("prefill", []).append((n, time.perf_counter() - t0, n, {}))
         if a.vanilla:
             t0 = time.perf_counter()
             ref = list(generate_tokens(lm.model, x, a.tokens, eos=eos))
@@ -100,7 +106,8 @@ def main(argv=None) -> None:
         n, dt, tf = sum(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r)
         sums = {lv: [round(sum(x[3][lv][i] for x in r), 2) for i in range(3)] for lv in r[0][3]}
         levels = "; ".join(f"{lv}: {f} / {t} / {s} s" for lv, (f, t, s) in sums.items())
-        print(f"| {name} | {n / dt:.2f} | {n / tf:.2f} | {levels or '-'} |")
+        print(f"| {name} | {n / dt:.2f} | {n / tf:.2f} | {levels or '-'} |" if name != "prefill" else
+              f"| prefill alone | {dt:.2f} s for {len(r)} prompts | - | - |")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ def test_sweep_prints_every_config_and_matches_vanilla(tmp_path, capsys):
     tiny_hf_folder(tmp_path / "tiny", vocab=64, hidden=64, heads=4, kv_heads=2, init_std=0.2)
     tiny = str(tmp_path / "tiny")
     draft_stop.main(["--model", tiny, "--dtype", "float32", "--chain", f"{tiny}@bfloat16", "--configs",
-                     "4:0/8:0.5", "--tokens", "12", "--eager", "--vanilla"])  # asserts identity per prompt
+                     "4:0/8:0.5", "--tokens", "12", "--eager", "--vanilla", "--prefill"])  # asserts identity per prompt
     table = capsys.readouterr().out
-    for row in ("| vanilla |", "| k=4 confidence=0.0 thresholds=None |", "| k=8 confidence=0.5 thresholds=None |"):
+    for row in ("| vanilla |", "| k=4 confidence=0.0 thresholds=None |", "| k=8 confidence=0.5 thresholds=None |",
+                "| prefill alone | "):
         assert row in table
+    assert " s for 4 prompts |" in table  # the four built-in prompts' prefills
 
 
 def test_two_chains_side_by_side_each_with_its_configs(tmp_path, capsys):
