@@ -35,7 +35,7 @@ def test_model_facts(smollm2):
 def test_greedy_64_tokens_match_transformers_on_spec_bench(smollm2):
     lm, hf = smollm2
     results = []
-    for q in spec_bench_prompts(6):
+    for q in spec_bench_prompts(10):
         ids = encode_prompt(lm.tokenizer, q["turns"][0])
         ours = list(generate_tokens(lm.model, ids, 64, eos=eos_ids(lm.tokenizer)))
         with torch.no_grad():
@@ -43,7 +43,7 @@ def test_greedy_64_tokens_match_transformers_on_spec_bench(smollm2):
                               max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
         results.append((q["category"], ours == ref))
     matched = sum(ok for _, ok in results)
-    assert matched >= 5, results  # fp32 sums in another order may flip one near-tie
+    assert matched >= 9, results  # fp32 sums in another order may flip one near-tie
 
 
 def test_every_linear_reads_the_gguf_codes_exactly(smollm2):
