@@ -449,16 +449,17 @@ def _head_step(head: Path) -> int | None:
 
 
 class Target:
-    """The target as the bench loads it (model.source in model.dtype on model.device), loaded on first use."""
+    """The target as the bench loads it (model.source in model.dtype on model.device, 'NAME@w4a8' on its GGUF's
+    codes as well), loaded on first use."""
 
     def __init__(self, model: dict) -> None:
         self.model, self._lm = model, None
 
     def __call__(self):
         if self._lm is None:
-            from polybasic.models import load_model
+            from polybasic.quant.api import load_any_model
 
-            self._lm = load_model(self.model["source"], self.model["dtype"], self.model["device"])
+            self._lm = load_any_model(self.model["source"], self.model["dtype"], self.model["device"])
         return self._lm
 
 

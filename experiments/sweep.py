@@ -87,12 +87,13 @@ def configs(recipe, v: SweepVariant):
     a bad field raises ConfigError naming the variant."""
     from polybasic.models.eagle_head import DrafterConfig
     from polybasic.models.loader import folder_and_args
+    from polybasic.models.preflight import split_kernel
 
     sec = recipe.distill
     where = f"--variant {v.name}"
     try:
         train = replace(sec.train, **v.train)
-        head = DrafterConfig.for_base(folder_and_args(recipe.model.source)[1], **{
+        head = DrafterConfig.for_base(folder_and_args(split_kernel(recipe.model.source)[0])[1], **{
             "draft_vocab_size": sec.draft_vocab_size, "n_layers": sec.head_layers,
             "feature_residual": sec.feature_residual, "feature_layers": sec.feature_layers, **v.head})
     except TypeError as e:

@@ -95,3 +95,16 @@ def test_bench_measures_each_head_on_spec_bench_once_per_temperature(tmp_path, m
     assert S.main(argv) == 0 and len(calls) == 4  # measured once: a rerun reads the cache
     with pytest.raises(ConfigError, match="--bench"):
         S.main([*argv[:-4], "--bench", "hot"])
+
+
+def test_a_head_for_a_target_on_its_gguf_codes_takes_the_models_shape(tmp_path):
+    """A recipe whose target is 'NAME@w4a8' (its GGUF's codes on the w4a8 kernel) sweeps heads of NAME's shape."""
+    from polybasic.config import load_recipe
+    from tests.helpers import tiny_hf_folder
+
+    tiny_hf_folder(tmp_path / "m", vocab=64, hidden=64)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "out_dir": str(tmp_path / "run"), "stages": ["distill"],
+                                    "model": {"source": f"{tmp_path / 'm'}@w4a8"}, "distill": {"draft_vocab_size": 0}}))
+    head, _ = S.configs(load_recipe(str(path)), S.parse_variant("base:"))
+    assert (head.dim, head.vocab_size) == (64, 64)
