@@ -86,7 +86,7 @@ class OracleLevel(Level):
         self.counters.time_s += time.perf_counter() - t0
         return tokens, one_hot(tokens, self.vocab_size, self.device)
 
-    def propose_tree(self, context, k, width, eos, sampling=None, generator=None):
+    def propose_tree(self, context, k, width, eos, sampling=None, generator=None, min_confidence=0.0):
         """Each depth's candidates under the previous depth's true one (or its rank 0 where none was)."""
         t0 = time.perf_counter()
         tokens, parents, above = [], [], -1

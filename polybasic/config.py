@@ -539,8 +539,8 @@ class PlanSection:
 class ExportSection:
     folder: str = "bundle"  # inside out_dir
     draft_confidence: float = 0.0  # the bundle's drafting levels end a draft after a token they gave a
-    # probability below this (0: off; lossless either way); the profile measures its drafters' path drafts with it
-    # (at profile.measured_k_values) and the plan prices the drafts' measured lengths
+    # probability below this (0: off; lossless either way); the profile measures its model and head drafters' drafts
+    # (paths, or a tree's path) with it (at profile.measured_k_values) and the plan prices the drafts' measured lengths
 
     def __post_init__(self) -> None:
         check_draft_confidence(self.draft_confidence, "export.draft_confidence")

@@ -49,8 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--k", type=int, default=5, help="tokens the bottom level proposes per round")
     p.add_argument("--adaptive-k", action="store_true", help="adapt the bottom draft length (1..k)")
     p.add_argument("--draft-confidence", type=float, default=None, metavar="P",
-                   help="a drafting level (model or EAGLE head) ends its draft after a token it gave a "
-                        "probability below P (lossless), so a long --k or threshold costs little where drafts "
+                   help="a drafting level (model or EAGLE head) ends its draft (a tree's path) after a token it "
+                        "gave a probability below P (lossless), so a long --k or threshold costs little where drafts "
                         "are unsure (default: 0, off, or the bundle's)")
     p.add_argument("--thresholds", default=None,
                    help="comma-separated hand-up threshold per middle level (default: k+1 each)")

@@ -14,7 +14,7 @@ Each forward is priced with the level's profiled curve T_i(M), interpolated.
 A link whose drafter drafts token trees (PairProfile.tree_width > 1), or paths cut by a draft confidence, is priced
 at M = draft size + 1 over its measured sizes and yields tokens per verification as its measured histogram (at the ks
 it was profiled at only: the drafts' shape is measured, not modelled); a confidence-cut drafter runs as many forwards
-as it drafted.
+as it drafted (a cut tree's drafter: its measured forwards per verification).
 
 paper model (`predict_lemma`): Lemma 3.1 with constant T_i = T_i(1) (an n-gram proposal: T(k)), the
 same per-link mean accepted lengths, alpha = k (1 for an n-gram proposer).
@@ -193,7 +193,9 @@ def predict(profile: Profile, cfg: ChainConfig, new_tokens: int | None = None) -
         first = _first_feed(last.kind, {l - 1: p for l, p in per_round[-1].items()}, p_whole[-1], after,
                             p_whole[-2] if n > 2 else 0.0)
         # a draft of d > 0 tokens: d forwards, the first a catch-up; none for an empty one (the budget's last token)
-        fwd, drafting = (_expect(seen[-1], float), 1 - seen[-1].get(0, 0.0)) if bottom.draft_confidence > 0 else (k, 1)
+        # (a cut tree's path: its measured forwards, which its size does not tell)
+        fwd, drafting = (bottom.forwards if bottom.tree_width > 1 else _expect(seen[-1], float),
+                         1 - seen[-1].get(0, 0.0)) if bottom.draft_confidence > 0 else (k, 1)
         mean_m = (drafting * _expect(first, float) + fwd - drafting) / fwd if fwd else 0.0
         ms_prop = drafting * _expect(first, c.at) + (fwd - drafting) * c.at(1)
     loads.append(LevelLoad(last.name, per_target[-1] * fwd / tau, mean_m, per_target[-1] * ms_prop / tau))

@@ -55,9 +55,9 @@ def level_kind(level: Level) -> str:
 
 
 def confidence_cut(level: Level, confidence: float) -> float:
-    """The draft confidence that cuts `level`'s drafts as a chain's bottom: `confidence` for path drafts of a model
-    or a head, 0 for token trees (the chain never cuts a tree) and for an n-gram proposer (it cannot tell)."""
-    return confidence if level.tree_width == 1 and level_kind(level) != "ngram" else 0.0
+    """The draft confidence that cuts `level`'s drafts as a chain's bottom: `confidence` for a model or a head (its
+    path, alone or in a tree), 0 for an n-gram proposer (it cannot tell)."""
+    return confidence if level_kind(level) != "ngram" else 0.0
 
 
 def _device(level: Level) -> torch.device:
@@ -152,12 +152,13 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
     head, which always propose k tokens but at a generation's end; for an n-gram proposer it is
     measured without each generation's last draft (cut by the budget). A drafter of token trees (tree_width > 1)
     also gets its tree sizes (sizes), and the planner takes its tokens per verification from the histogram; so does a
-    drafter whose path drafts end early at draft_confidence (Chain.draft_confidence; sizes: its draft lengths)."""
+    drafter whose path drafts end early at draft_confidence (Chain.draft_confidence; sizes: its draft lengths, or its
+    trees' sizes; forwards: the drafter's forwards per verification, which a cut tree's size does not tell)."""
     check_k(k)
     check(len(prompts) > 0, "prompts", "is empty", "pass held-out prompts from the training data")
     chain = Chain([verifier, drafter], k=k, eos=frozenset(eos), draft_confidence=draft_confidence)
     link = LinkStats(verifier.name, drafter.name)
-    outside_s, inner = 0.0, []  # inner: draft lengths but each generation's last
+    outside_s, inner, forwards = 0.0, [], 0  # inner: draft lengths but each generation's last
     dev = _device(verifier)
     for i, prompt in enumerate(prompts):
         g = make_generator(seed + i, dev) if not sampling.greedy else None
@@ -168,6 +169,7 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
         link.add_ranks(st.links[0].by_rank)
         inner += st.links[0].drafted[skip:-1]
         outside_s += st.wall_s - sum(lv["time_s"] for lv in st.levels)
+        forwards += st.levels[1]["forwards"]
     s = link.summary()
     n = s["verifications"]
     check(n > 0, "prompts", "gave no verification", "pass longer generations (max_new_tokens >= 2)")
@@ -181,7 +183,7 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
     sizes = counts(link.drafted) if drafter.tree_width > 1 or draft_confidence > 0 else {}
     return PairProfile(verifier.name, drafter.name, k, n, s["mean_accepted_length"], rate, fill, s["histogram"],
                        max(0.0, outside_s) * 1e3 / n, drafter.tree_width, sizes, s.get("by_rank", {}),
-                       draft_confidence)
+                       draft_confidence, forwards / n)
 
 
 def profile_tokens(k: int) -> tuple[int, ...]:

@@ -85,8 +85,9 @@ class PairProfile:
     sizes: dict = field(default_factory=dict)  # tree pairs: tree size (nodes), confidence-cut pairs: draft length ->
     # verifications (int keys; str in JSON)
     by_rank: dict = field(default_factory=dict)  # tree pairs: "depth:rank" -> [accepted, tried] (LinkStats.by_rank)
-    draft_confidence: float = 0.0  # > 0: path drafts cut after a token the drafter gave less (Chain.draft_confidence);
-    # their lengths are measured (sizes) like a tree's shape, and planned at the ks measured
+    draft_confidence: float = 0.0  # > 0: drafts (a tree's path) cut after a token the drafter gave less
+    # (Chain.draft_confidence); their lengths are measured (sizes) like a tree's shape, and planned at the ks measured
+    forwards: float = 0.0  # the drafter's forwards per verification, measured (0: not measured; k for full drafts)
 
     def __post_init__(self) -> None:
         where = f"pairs[{self.verifier}<-{self.drafter}]"
@@ -96,8 +97,6 @@ class PairProfile:
               "mean draft length / k")
         check(0 <= self.draft_confidence < 1, f"{where}.draft_confidence", f"must be in [0, 1), got "
               f"{self.draft_confidence}", "the confidence the drafts were measured with (0: full drafts)")
-        check(self.tree_width == 1 or self.draft_confidence == 0, f"{where}.draft_confidence",
-              "a tree pair's drafts are never cut (runtime.chain)", "measure trees with 0")
         check(not self.shaped or (self.histogram and self.sizes), f"{where}.histogram",
               "a tree pair or one with a draft confidence needs its measured histogram and draft sizes",
               "re-run the profile")

@@ -41,6 +41,7 @@ class Chain:
         probability below this (Level.confidence; 0: the bottom always drafts k tokens and a middle level
         hands up once it holds its threshold), so that k and the thresholds can be long where drafts are
         sure and short where they are not. Lossless: it depends only on the drafting level's own outputs.
+        It cuts a bottom tree's path alike (a model's or head's; its siblings and prompt lookup's nodes stay).
         A bottom level with a tree_width > 1 drafts token trees (k deep; an n-gram level that many leaves, a model or
         EAGLE level that many candidates per depth), which the level above verifies in one forward
         (runtime.tree_verify)."""
@@ -185,8 +186,8 @@ class Chain:
         -> (nodes kept, next token, the kept path's tokens, lvl's distributions after the context and after each
         kept node [kept+1, V], nodes drafted, whether the path ended at a leaf)."""
         bottom = self.levels[-1]
-        tokens, parents, q = bottom.propose_tree(context, min(self._k, cap), self.tree_width, self.eos,
-                                                 self.sampling, self.generator) if cap > 0 else ([], [], None)
+        tokens, parents, q = bottom.propose_tree(context, min(self._k, cap), self.tree_width, self.eos, self.sampling,
+                                                 self.generator, self.draft_confidence) if cap > 0 else ([], [], None)
         room = lvl.room(context)  # the tree's rows must fit one forward: drop the last nodes (leaves first)
         tokens, parents = tokens[:room], parents[:room]
         p = lvl.score(context, tokens, self.sampling, parents=parents)  # [N+1, V]

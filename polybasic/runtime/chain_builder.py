@@ -19,7 +19,7 @@ from polybasic.quant.linear import keep_dense_for_prefill
 from polybasic.runtime.chainspec import LEVEL_KINDS, ChainSpec, LevelSpec, check_chain_files, named, parse_chain_spec
 from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import Level, ModelLevel, NGramLevel
-from polybasic.runtime.with_lookup import WithLookup
+from polybasic.runtime.with_lookup import LOOKUP_MIN_NGRAM, WithLookup
 
 
 def build_ngram(spec: LevelSpec, target: LoadedModel, above: Level, device: torch.device) -> Level:
@@ -72,8 +72,9 @@ def build_level(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
     level it sits under (an EAGLE head reads its features)."""
     level = load_entry(LEVEL_KINDS[spec.kind].builder)(spec, target, above, device)
     level.tree_width = spec.tree_width
-    if spec.lookup:  # its trees also hold prompt lookup's continuation
-        level = WithLookup(level, NGramLevel(max_ngram=spec.lookup, name=f"ngram:{spec.lookup}"), name=spec.name)
+    if spec.lookup:  # its trees also hold prompt lookup's continuation (with_lookup.LOOKUP_MIN_NGRAM)
+        lookup = NGramLevel(max_ngram=spec.lookup, min_ngram=min(LOOKUP_MIN_NGRAM, spec.lookup), name=f"ngram:{spec.lookup}")
+        level = WithLookup(level, lookup, name=spec.name)
     return level
 
 

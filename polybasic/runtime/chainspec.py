@@ -41,7 +41,7 @@ class LevelSpec:
     tree_width: int = 1  # as the bottom level, draft token trees (1: paths; runtime.tree_verify): ngram, of this
     # many leaves (its best matches); a drafting model or head, of this many candidates per depth (spelled LEVEL#W)
     lookup: int = 0  # as the bottom level, a drafting level (every kind but ngram) whose trees also hold prompt
-    # lookup's continuation, n-grams of at most this many tokens (runtime.with_lookup; 0: none), spelled LEVEL|ngram[:N]
+    # lookup's continuation, n-grams of 2 to this many tokens (runtime.with_lookup; 0: none), spelled LEVEL|ngram[:N]
     name: str = ""  # default: the canonical spelling
 
     def __post_init__(self) -> None:

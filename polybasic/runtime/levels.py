@@ -86,13 +86,14 @@ class Level:
         return 1 << 30
 
     def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int],
-                     sampling: SamplingConfig = SamplingConfig(), generator: torch.Generator | None = None
-                     ) -> tuple[list[int], list[int], Tensor]:
+                     sampling: SamplingConfig = SamplingConfig(), generator: torch.Generator | None = None,
+                     min_confidence: float = 0.0) -> tuple[list[int], list[int], Tensor]:
         """A token tree after context, at most k deep: (tokens [N], parents [N], -1 for the context's children; the
         distributions each node was drawn from [N, V]; see runtime.tree_verify). A drafting level's (this base):
-        its path (propose), and at each depth up to width-1 more candidates for that position as leaves
-        (path_with_siblings); nodes 0..len(path)-1 are the path, whose cache rows need no move when it is kept."""
-        tokens, q, logits = self.draft(context, k, sampling, generator, eos)
+        its path (propose, ended early after a token it gave less than min_confidence), and at each depth up to
+        width-1 more candidates for that position as leaves (path_with_siblings); nodes 0..len(path)-1 are the path,
+        whose cache rows need no move when it is kept."""
+        tokens, q, logits = self.draft(context, k, sampling, generator, eos, min_confidence)
         return path_with_siblings(tokens, q, logits, width, sampling.greedy, generator, self.full)
 
     def draft(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None,
@@ -289,10 +290,11 @@ class NGramLevel(Level):
         return out
 
     def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int],
-                     sampling: SamplingConfig | None = None, generator: torch.Generator | None = None
-                     ) -> tuple[list[int], list[int], Tensor]:
+                     sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                     min_confidence: float = 0.0) -> tuple[list[int], list[int], Tensor]:
         """The continuations of lookup_many merged into a tree (shared starts once), the best one first: its nodes
-        are 0..len-1, a path whose cache rows need no move when it is kept. One-hot distributions (deterministic)."""
+        are 0..len-1, a path whose cache rows need no move when it is kept. One-hot distributions (deterministic;
+        min_confidence does not apply: a lookup cannot tell its confidence)."""
         t0 = time.perf_counter()
         tokens: list[int] = []
         parents: list[int] = []

@@ -22,6 +22,12 @@ from torch import Tensor
 from polybasic.config import SamplingConfig
 from polybasic.runtime.levels import Level, NGramLevel, graft, one_hot
 
+# The shortest match whose continuation a LEVEL|ngram[:N] tree takes. A one-token match is a weak guess that still
+# costs verification rows: on held-out prompts (the last 12 of work-mix-48 and Alpaca records 980-999, the EAGLE
+# head at k 3, Qwen2.5-Coder-1.5B @w4a8, 2026-11-28) the continuation after a 1-gram match won 0.08 accepted tokens
+# a node, after a 2-gram 0.18, after a 3-gram 0.38 (experiments/lookup_gain.py; docs/results.md, token trees).
+LOOKUP_MIN_NGRAM = 2
+
 
 class WithLookup(Level):
     """`drafter`'s trees (its path where its tree_width is 1) with `lookup`'s best continuation merged in. It takes the
@@ -49,11 +55,13 @@ class WithLookup(Level):
         self.counters = self.drafter.counters
 
     def propose_tree(self, context: list[int], k: int, width: int, eos: frozenset[int],
-                     sampling: SamplingConfig = SamplingConfig(), generator: torch.Generator | None = None
-                     ) -> tuple[list[int], list[int], Tensor]:
-        """The drafter's tree (its own width: `width` less the lookup's one), then the lookup's continuation of at
-        most k tokens (cut after an EOS) merged in: shared starts once, new nodes one-hot, after the drafter's."""
-        tokens, parents, q = self.drafter.propose_tree(context, k, self.drafter.tree_width, eos, sampling, generator)
+                     sampling: SamplingConfig = SamplingConfig(), generator: torch.Generator | None = None,
+                     min_confidence: float = 0.0) -> tuple[list[int], list[int], Tensor]:
+        """The drafter's tree (its own width: `width` less the lookup's one; its path cut by min_confidence), then the
+        lookup's continuation of at most k tokens (cut after an EOS) merged in: shared starts once, new nodes
+        one-hot, after the drafter's."""
+        tokens, parents, q = self.drafter.propose_tree(context, k, self.drafter.tree_width, eos, sampling, generator,
+                                                       min_confidence)
         t0 = time.perf_counter()
         tokens, parents = list(tokens), list(parents)
         added = graft(tokens, parents, self.lookup.lookup(context, k), eos)

@@ -1,5 +1,7 @@
 """Profiling on tiny models: what is timed has the right shape, acceptance statistics are consistent
 (identical drafter: everything accepted; scripted disagreement: nothing). No timing is asserted."""
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from polybasic.errors import ConfigError
 from polybasic.models.eagle_head import DrafterConfig, EagleHead
 from polybasic.planner.cost import ChainConfig, predict
 from polybasic.planner.measure import build_profile, cost_curve, level_profile, medians_ms, pair_acceptance
-from polybasic.planner.profile import Profile
+from polybasic.planner.profile import PairProfile, Profile
 from polybasic.runtime.eagle_level import EagleLevel
 from polybasic.runtime.levels import ModelLevel, NGramLevel
 from tests.helpers import ScriptedLM, lean_from_hf, one_hot_logits, perturbed_copy, tiny_hf_llama
@@ -119,3 +121,20 @@ def test_a_confidence_cut_pair_records_its_draft_lengths_and_the_plan_prices_the
     assert pred.levels[1].forwards_per_token == pytest.approx(drafted / pred.tau)  # as many forwards as drafted
     with pytest.raises(ConfigError, match="measured at k = 4 only"):
         predict(prof, ChainConfig(("target", "near"), 3))
+
+
+def test_a_cut_tree_pair_records_its_drafters_forwards_and_the_plan_prices_them():
+    """A tree whose path a draft confidence cuts: its size counts the siblings too, so the pair records the drafter's
+    forwards per verification, and the plan prices those (not the tree's size, not k)."""
+    hf = tiny_hf_llama(seed=3, vocab=64, init_std=0.2)
+    target = ModelLevel(lean_from_hf(hf), "target")
+    near = ModelLevel(lean_from_hf(perturbed_copy(hf, 0.3)), "near", tree_width=2)
+    cut = pair_acceptance(target, near, [[5, 6, 7, 5, 6], [9, 2, 9, 2]], 4, max_new_tokens=24, draft_confidence=0.9)
+    assert cut.shaped and cut.tree_width == 2 and cut.draft_confidence == 0.9
+    nodes = sum(d * n for d, n in cut.sizes.items()) / cut.verifications
+    assert 0 < cut.forwards < nodes and cut.forwards < 4  # paths cut short; siblings cost no forward
+    curves = [level_profile(lv, cost_curve(lv, range(1, 10), 16, reps=1)) for lv in (target, near)]
+    pred = predict(Profile("target", curves, [cut]), ChainConfig(("target", "near"), 4))
+    assert pred.levels[1].forwards_per_token == pytest.approx(cut.forwards / pred.tau)
+    old = {f: v for f, v in asdict(cut).items() if f != "forwards"}
+    assert PairProfile(**old).forwards == 0.0  # a profile written before the field loads

@@ -143,7 +143,7 @@ def test_greedy_tree_rule_keeps_the_argmax_path():
     assert (path, nxt) == ([0, 1], 0)  # after node 1 the argmax is p[2]'s 0: no child has it
 
 
-def build(models, names, k, width, thresholds=None):
+def build(models, names, k, width, thresholds=None, draft_confidence=0.0):
     """The target over `names` (top to bottom), the bottom one drafting trees `width` wide (an n-gram level's leaves,
     a model's candidates per depth, an EAGLE head's: 'eagle' drafts on the level above it)."""
     levels = [ModelLevel(models["target"], "target")]
@@ -155,7 +155,8 @@ def build(models, names, k, width, thresholds=None):
             levels.append(EagleLevel(head_on(levels[-1].model, "eagle1", seed=5), levels[-1], tree_width=w))
         else:
             levels.append(ModelLevel(models[n], n, tree_width=w))
-    return Chain(levels, k=k, thresholds=thresholds or [k + 2] * (len(names) - 1), eos={1})
+    return Chain(levels, k=k, thresholds=thresholds or [k + 2] * (len(names) - 1), eos={1},
+                 draft_confidence=draft_confidence)
 
 
 CHAINS = {"n2": ["ngram"], "n3": ["close", "ngram"], "n4": ["close", "far", "ngram"],  # n-gram trees
@@ -202,6 +203,34 @@ def test_greedy_tree_chains_equal_the_target(hf, chain, dtype):
     _check_greedy(models, models["target"], CHAINS[chain], compiled=False)
 
 
+@pytest.mark.parametrize("chain", ["n3", "m2", "e2", "e3"])
+def test_a_draft_confidence_cuts_a_tree_s_path_and_keeps_greedy_identity(hf, chain):
+    """draft_confidence ends the path of a model's or head's tree after a token the drafter was unsure of (its
+    siblings stay), as it ends a path draft; an n-gram tree, which cannot tell, is drafted whole. Output: the target's."""
+    models = _models(hf)
+    k, chain_ = 4, build(models, CHAINS[chain], 4, 2, draft_confidence=0.6)
+    bottom = chain_.levels[-1]
+    cut, drafts = [0], [0]
+    if not isinstance(bottom, NGramLevel):
+        draft = bottom.draft
+
+        def spy(context, k_, sampling, generator, eos, min_confidence=0.0):
+            out = draft(context, k_, sampling, generator, eos, min_confidence)
+            drafts[0] += 1
+            cut[0] += min_confidence == 0.6 and len(out[0]) < k_ and out[0][-1] not in eos
+            return out
+        bottom.draft = spy
+    for prompt in _prompts(3, seed=11):
+        ref = list(generate_tokens(models["target"], prompt, 40, eos={1}))
+        out, stats = chain_.generate(prompt, 40)
+        assert out == ref, chain
+        assert max(stats.links[-1].drafted) > 1
+    if isinstance(bottom, NGramLevel):
+        assert max(stats.links[-1].drafted) > k  # whole trees: more nodes than a path's k
+    else:
+        assert drafts[0] > 0 and cut[0] > 0, "no tree's path was cut"
+
+
 @pytest.mark.parametrize("chain", ["n2", "n3", "m2", "e3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_greedy_tree_chains_equal_the_target(hf, chain, dtype):
@@ -216,15 +245,17 @@ def test_compiled_greedy_tree_chains_equal_the_target(hf, chain, dtype):
 
 
 @pytest.mark.parametrize("sname", list(SAMPLINGS))
-@pytest.mark.parametrize("cname", ["n2", "n3", "m2", "m3"])
+@pytest.mark.parametrize("cname", ["n2", "n3", "m2", "m3", "m2-cut"])
 def test_tree_chain_samples_match_target(cname, sname):
-    """n-gram trees (one-hot candidates) and a model's trees (siblings drawn without replacement)."""
+    """n-gram trees (one-hot candidates) and a model's trees (siblings drawn without replacement); m2-cut: the
+    model's tree paths cut by a draft confidence."""
     hf, models = make_world("llama")
-    names = {"n2": ["ngram"], "n3": ["mid", "ngram"], "m2": ["far"], "m3": ["mid", "far"]}[cname]
+    names = {"n2": ["ngram"], "n3": ["mid", "ngram"], "m2": ["far"], "m3": ["mid", "far"], "m2-cut": ["far"]}[cname]
     levels = [ModelLevel(models["target"], "target")]
     levels += [NGramLevel(max_ngram=2, tree_width=3) if x == "ngram" else ModelLevel(models[x], x) for x in names]
     levels[-1].tree_width = 3
-    chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1), share_prompt_kv=False)
+    chain = Chain(levels, k=3, thresholds=[2] * (len(names) - 1), share_prompt_kv=False,
+                  draft_confidence=0.5 if cname.endswith("cut") else 0.0)
     branched = _count_branching(levels[-1])
     first, seqs = chain_sample_counts(chain, TREE_PROMPT, SAMPLINGS[sname], seed=99, n=N, vocab=V)
     p1, joint = exact_joint(hf, SAMPLINGS[sname], TREE_PROMPT)

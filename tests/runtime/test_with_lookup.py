@@ -28,13 +28,15 @@ TREE_PROMPT = [3, 7, 2, 3, 5, 3, 7, 9, 3]
 class Scripted(Level):
     """A drafter whose paths are given: after any context it drafts `path` (one-hot)."""
 
-    def __init__(self, path: list[int]) -> None:
+    def __init__(self, path: list[int], sure: int | None = None) -> None:
+        """sure: a draft confidence cuts its path after this many tokens."""
         super().__init__()
-        self.path, self.vocab_size = path, 20
+        self.path, self.vocab_size, self.sure = path, 20, sure
 
     def draft(self, context, k, sampling, generator, eos, min_confidence=0.0):
-        q = torch.nn.functional.one_hot(torch.tensor(self.path[:k]), 20).float()
-        return self.path[:k], q, q
+        n = min(k, self.sure) if min_confidence > 0 and self.sure is not None else k
+        q = torch.nn.functional.one_hot(torch.tensor(self.path[:n]), 20).float()
+        return self.path[:n], q, q
 
 
 def test_the_lookup_merges_into_the_drafters_tree():
@@ -50,6 +52,10 @@ def test_the_lookup_merges_into_the_drafters_tree():
     none = WithLookup(Scripted([7, 7]), NGramLevel(max_ngram=2, vocab_size=20))
     assert none.propose_tree([5, 6, 8], 2, 2, frozenset())[0] == [7, 7]  # no match: the drafter's path
     assert level.tree_width == 2 and level.name == "level|ngram" and drafting(level) is level.drafter
+    unsure = WithLookup(Scripted([3, 5, 6], sure=1), NGramLevel(max_ngram=2, vocab_size=20))
+    assert unsure.propose_tree(ctx, 3, 2, frozenset())[:2] == ([3, 5, 6, 4, 9], [-1, 0, 1, 0, 3])
+    # a draft confidence cuts the drafter's path (after "3"); the lookup's continuation stays whole
+    assert unsure.propose_tree(ctx, 3, 2, frozenset(), min_confidence=0.5)[:2] == ([3, 4, 9], [-1, 0, 1])
 
 
 @pytest.fixture(scope="module")
