@@ -73,7 +73,8 @@ def build_level(spec: LevelSpec, target: LoadedModel, above: Level, device: torc
     level = load_entry(LEVEL_KINDS[spec.kind].builder)(spec, target, above, device)
     level.tree_width = spec.tree_width
     if spec.lookup:  # its trees also hold prompt lookup's continuation (with_lookup.LOOKUP_MIN_NGRAM)
-        lookup = NGramLevel(max_ngram=spec.lookup, min_ngram=min(LOOKUP_MIN_NGRAM, spec.lookup), name=f"ngram:{spec.lookup}")
+        lookup = NGramLevel(max_ngram=spec.lookup, min_ngram=min(LOOKUP_MIN_NGRAM, spec.lookup),
+                            name=f"ngram:{spec.lookup}")
         level = WithLookup(level, lookup, name=spec.name)
     return level
 

@@ -206,7 +206,8 @@ def test_greedy_tree_chains_equal_the_target(hf, chain, dtype):
 @pytest.mark.parametrize("chain", ["n3", "m2", "e2", "e3"])
 def test_a_draft_confidence_cuts_a_tree_s_path_and_keeps_greedy_identity(hf, chain):
     """draft_confidence ends the path of a model's or head's tree after a token the drafter was unsure of (its
-    siblings stay), as it ends a path draft; an n-gram tree, which cannot tell, is drafted whole. Output: the target's."""
+    siblings stay), as it ends a path draft; an n-gram tree, which cannot tell, is drafted whole. Output: the
+    target's."""
     models = _models(hf)
     k, chain_ = 4, build(models, CHAINS[chain], 4, 2, draft_confidence=0.6)
     bottom = chain_.levels[-1]
