@@ -23,7 +23,7 @@ from polybasic.errors import ConfigError
 from polybasic.models.prepare import check_compilable
 from polybasic.models.static import covering
 from polybasic.pipelines.quantize import sibling_folder
-from polybasic.planner.measure import confidence_cut, cost_curve, level_profile, pair_acceptance
+from polybasic.planner.measure import confidence_cut, cost_curve, level_profile, pair_acceptance, profile_tokens
 from polybasic.planner.profile import CostCurve, PairProfile, Profile
 from polybasic.runtime.chain_builder import build_level
 from polybasic.runtime.chainspec import LEVEL_KINDS, named, parse_level_spec
@@ -161,7 +161,7 @@ def run_stage(ctx) -> list[Path]:
         lv.name = n
     spell = {n: own_level(n, out) for n in levels}
     k_max = max([sec.k, *recipe.plan.k_values])
-    tokens = sorted(set(range(1, k_max + 2)) | {2 * (k_max + 1), 3 * (k_max + 1)})
+    tokens = list(profile_tokens(k_max))
     if sec.compile:
         _compile(list(levels.values()), lm, tokens, [sec.context + tokens[-1] + 2]
                  + [len(p) + sec.max_new_tokens + 1 for p in prompts])

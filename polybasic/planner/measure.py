@@ -187,16 +187,18 @@ def pair_acceptance(verifier: Level, drafter: Level, prompts: Sequence[list[int]
 
 
 def profile_tokens(k: int) -> tuple[int, ...]:
-    """The token counts M a level's T(M) is profiled at for drafts of k: 1..k+1, and 2(k+1), 3(k+1) for the chunks a
-    middle level hands up."""
-    return tuple(sorted(set(range(1, k + 2)) | {2 * (k + 1), 3 * (k + 1)}))
+    """The token counts M a level's T(M) is profiled at for drafts of k: every M up to 2(k+1), which holds a path of k
+    (k+1 rows), a tree of it and one more candidate per depth or prompt lookup's continuation (up to 2k+1 rows, each
+    measured, not interpolated: the step sizes they run at may jump between two sizes) and the chunk of k+1 a middle
+    level hands up with the next draft; and 3(k+1) for longer chunks."""
+    return tuple(sorted(set(range(1, 2 * (k + 1) + 1)) | {3 * (k + 1)}))
 
 
 def build_profile(levels: Sequence[Level], pairs: Sequence[tuple[Level, Level]], prompts: Sequence[list[int]],
                   k: int, sampling: SamplingConfig = SamplingConfig(), context: int = 256, reps: int = 10,
                   max_new_tokens: int = 64, eos: Iterable[int] = (), device: str | None = None) -> Profile:
-    """Every level's cost curve (M = 1..k+1, and 2(k+1), 3(k+1) for the chunks a middle level hands
-    up) and every (verifier, drafter) pair's acceptance, as one Profile. levels: the target first."""
+    """Every level's cost curve (M in profile_tokens(k)) and every (verifier, drafter) pair's acceptance, as one
+    Profile. levels: the target first."""
     tokens = profile_tokens(k)
     for lv in levels[1:]:
         if lv.vocab_size is None:  # as Chain does: a model-free level takes the target's vocabulary

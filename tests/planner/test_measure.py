@@ -86,7 +86,7 @@ def test_sampled_acceptance_and_profile_round_trip(tmp_path):
         assert p.mean_accepted_length == pytest.approx(
             sum(length * n for length, n in p.histogram.items()) / p.verifications, rel=1e-12)
         assert 0 <= p.rate <= 1 and 1 <= p.mean_accepted_length <= 4
-    assert prof.level("target").cost.tokens == [1, 2, 3, 4, 8, 12]
+    assert prof.level("target").cost.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 12]  # every M a tree of k 3 scores
     assert prof.pair("target", "near").draft_fill == 1.0  # a model always drafts k tokens
     assert 0 <= prof.pair("near", "ngram").draft_fill <= 1
     prof.save(tmp_path / "p.json")
