@@ -12,18 +12,13 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-import numpy as np
+from polybasic.runtime.levels import NGramLevel
 
 
 def match_length(context: list[int], max_ngram: int) -> int:
-    """The longest n <= max_ngram whose last n tokens occur earlier with a continuation (0: none)."""
-    ctx = np.asarray(context, dtype=np.int64)
-    for n in range(min(max_ngram, len(ctx) - 1), 0, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [len-n, n]
-        hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
-        if (hits + n < len(ctx)).any():
-            return n
-    return 0
+    """The longest n <= max_ngram whose last n tokens occur earlier with a continuation (0: none): the n-gram the
+    lookup continues, found by NGramLevel's own search at that n alone."""
+    return next((n for n in range(max_ngram, 0, -1) if NGramLevel(n, min_ngram=n).lookup(context, 1)), 0)
 
 
 def main(argv: list[str] | None = None) -> dict[int, list[int]]:
@@ -34,7 +29,6 @@ def main(argv: list[str] | None = None) -> dict[int, list[int]]:
     from polybasic.runtime import with_lookup
     from polybasic.runtime.chain import Chain
     from polybasic.runtime.chain_builder import parse_chain
-    from polybasic.runtime.levels import NGramLevel
     from polybasic.runtime.text import encode_prompt, eos_ids
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
