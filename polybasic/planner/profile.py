@@ -97,6 +97,9 @@ class PairProfile:
               "mean draft length / k")
         check(0 <= self.draft_confidence < 1, f"{where}.draft_confidence", f"must be in [0, 1), got "
               f"{self.draft_confidence}", "the confidence the drafts were measured with (0: full drafts)")
+        check(self.tree_width == 1 or self.draft_confidence == 0 or self.forwards > 0, f"{where}.forwards",
+              "a tree pair measured with a draft confidence needs its drafter's forwards per verification (its "
+              "trees' sizes do not tell them)", "re-run the profile")
         check(not self.shaped or (self.histogram and self.sizes), f"{where}.histogram",
               "a tree pair or one with a draft confidence needs its measured histogram and draft sizes",
               "re-run the profile")

@@ -136,5 +136,8 @@ def test_a_cut_tree_pair_records_its_drafters_forwards_and_the_plan_prices_them(
     curves = [level_profile(lv, cost_curve(lv, range(1, 10), 16, reps=1)) for lv in (target, near)]
     pred = predict(Profile("target", curves, [cut]), ChainConfig(("target", "near"), 4))
     assert pred.levels[1].forwards_per_token == pytest.approx(cut.forwards / pred.tau)
-    old = {f: v for f, v in asdict(cut).items() if f != "forwards"}
-    assert PairProfile(**old).forwards == 0.0  # a profile written before the field loads
+    without = {f: v for f, v in asdict(cut).items() if f != "forwards"}
+    with pytest.raises(ConfigError, match=r"forwards: a tree pair measured with a draft confidence"):
+        PairProfile(**without)  # would be priced at no drafter forward
+    old = {**without, "tree_width": 1, "draft_confidence": 0.0}  # a pair a profile written before the field holds
+    assert PairProfile(**old).forwards == 0.0
