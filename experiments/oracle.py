@@ -194,7 +194,7 @@ def main(argv=None) -> None:
     compile_for_device(model, sizes=sizes)
     model.setup_caches(a.prompt_len + a.new_tokens + 2)
     with torch.inference_mode():
-        model.warm_steps(trees=True)
+        model.warm_steps()
     print(f"compiled {sizes} in {time.perf_counter() - t0:.1f} s", flush=True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, model.args.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]

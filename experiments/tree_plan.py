@@ -59,7 +59,6 @@ def main(argv=None) -> None:
     rows[0] = max(rows[0], a.k * widest + 1)  # the target verifies the widest tree too
     compile_levels(models + [ngrams[-1]] + drafters, 512, lm.gguf_file if lm.model.dtype == torch.float32 else None,
                    rows=rows, notify=print)
-    target.model.warm_steps(trees=True)
     prompts = held_out_prompts(lm.tokenizer, a.prompts)
     pairs = [(target, n) for n in ngrams + drafters]
     pairs += [(target, middle)] + [(middle, n) for n in ngrams] if middle else []

@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-tokens", type=int, default=8, help="k of the n-gram / prompt-lookup drafts")
     p.add_argument("--step-sizes", default=None, metavar="N,N",
                    help="*-compiled methods: the token counts their steps are compiled for, 1 first, the largest "
-                        "the prefill chunk (default: 1,2,4,8,12,16,64 on the CPU, 1,16,128 on CUDA); fewer sizes compile faster")
+                        "the prefill chunk (default: 1,2,4,6,8,12,16,64 on the CPU, 1,16,128 on CUDA); fewer sizes compile faster")
     p.add_argument("--compile-mode", default="layers", choices=COMPILE_MODES,
                    help="*-compiled methods on a CPU: 'layers' compiles one graph per layer and size, shared by every "
                         "layer (seconds); 'whole' one graph of the whole model per size (minutes, steps ~5%% faster)")

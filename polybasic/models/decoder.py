@@ -28,6 +28,11 @@ from polybasic.models.static import StaticSteps, pad_rows, positions
 class Transformer(nn.Module):
     """Decoder-only LM. Call `setup_caches` once before `forward`."""
 
+    # compiled steps: a path's call of more than one row that returns every row's logits runs that size's tree step
+    # (one graph a size for paths and trees, where a chain that verifies trees compiled two); False: a path step
+    # apart (for measuring the two)
+    paths_as_trees = True
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -163,27 +168,25 @@ class Transformer(nn.Module):
         return coded
 
     @torch.inference_mode()
-    def warm_steps(self, decode: bool = False, trees: bool = False) -> None:
+    def warm_steps(self, decode: bool = False) -> None:
         """Compile every step now: each size with all rows' logits, and the one-token and prefill-chunk
         steps that read one row's, so that no compile lands inside a timed or latency-critical call.
         decode: only the two steps plain decoding runs (generate_tokens), the one-token step and the prefill
-        chunk, each reading one row's logits. trees: also each size's token-tree step (a chain's level that
-        verifies trees). Writes garbage to cache rows the next generation overwrites; needs setup_caches first."""
+        chunk, each reading one row's logits. Writes garbage to cache rows the next generation overwrites; needs
+        setup_caches first."""
         for _ in range(self._static.warm_runs):
-            for size, last_only, tree in self.warm_calls(decode, trees):
-                self(torch.zeros(1, size, dtype=torch.long, device=self.device), 0, last_only=last_only,
-                     parents=[-1] * size if tree else None)
+            for size, last_only in self.warm_calls(decode):
+                self(torch.zeros(1, size, dtype=torch.long, device=self.device), 0, last_only=last_only)
 
-    def warm_calls(self, decode: bool = False, trees: bool = False) -> list[tuple[int, bool, bool]]:
-        """The (size, last_only, tree) calls warm_steps makes: every size with all rows' logits (size 1 has one
-        row), or with decode the one-token step alone; with trees each size above 1 as a tree too; then the prefill
-        chunk reading one row's (none where long calls run eagerly)."""
+    def warm_calls(self, decode: bool = False) -> list[tuple[int, bool]]:
+        """The (size, last_only) calls warm_steps makes: every size with all rows' logits (size 1 has one row; the
+        larger sizes are tree steps, which paths run too: `_static_chunks`), or with decode the
+        one-token step alone; then the prefill chunk reading one row's (none where long calls run eagerly)."""
         steps = self._static
         sizes = [size for size in steps.sizes if not steps.runs_eager(size)]
-        calls = [(1, True, False)] if decode else [(size, False, False) for size in sizes]
-        calls += [(size, False, True) for size in sizes if trees and size > 1]
+        calls = [(1, True)] if decode else [(size, False) for size in sizes]
         if not steps.runs_eager(steps.largest):
-            calls.append((steps.largest, True, False))
+            calls.append((steps.largest, True))
         return calls
 
     def forward(self, tokens: Tensor, start: int, last_only: bool = False,
@@ -254,7 +257,9 @@ class Transformer(nn.Module):
     def _static_chunks(self, tokens: Tensor, start: int, tail: int, parents: list[int] | None = None
                        ) -> tuple[Tensor, Tensor]:
         """forward through the compiled steps: chunks of the largest size, the last one padded (a tree: one chunk,
-        its padding rows a path after the last row)."""
+        its padding rows a path after the last row). A path's chunk of more than one row that returns every row's
+        logits runs that size's tree step (`paths_as_trees`): a chain whose drafts are trees or paths verifies both
+        through one graph a size, with the same bits (a path's tree layout is its own positions: models.tree.path_layout)."""
         steps, m = self._static, tokens.shape[1]
         logits, hidden = [], []
         for a, n, size, pos in steps.chunks(m, start, tokens.device):
@@ -264,10 +269,14 @@ class Transformer(nn.Module):
             # logits: fewer graphs to compile, and their rows' logits are wanted anyway)
             one = need <= 1 and size in (1, steps.largest)
             pick = positions(n - 1, 1, tokens.device) if one else None  # [1]
+            if parents is not None:
+                tree = token_tree.layout(token_tree.pad(parents, size), start, device=tokens.device)  # [M], [M, M]
+            elif self.paths_as_trees and size > 1 and not one:
+                tree = token_tree.path_layout(pos)
+            else:
+                tree = None
             key = (tokens.shape[0], size, "last" if one else "all", self.max_seq_len, self.feature_layers,
-                   parents is not None)
-            tree = None if parents is None else token_tree.layout(token_tree.pad(parents, size), start,
-                                                                  device=tokens.device)
+                   tree is not None)
             lg, hd = steps(key, chunk, pos, pick, tree)
             hidden.append(hd[:, :n])
             if need:

@@ -38,7 +38,10 @@ from polybasic.errors import check
 
 log = logging.getLogger(__name__)
 
-STEP_SIZES = (1, 2, 4, 8, 12, 16, 64)  # token counts a step is compiled for (sizes=None); the largest: prefill chunks
+STEP_SIZES = (1, 2, 4, 6, 8, 12, 16, 64)  # token counts a step is compiled for (sizes=None); the largest: prefill chunks
+# (a chain compiles only those its verifications take: runtime.compiled). 6: a `@w4a8` 1.5B target's 5-6-row
+# verification (a head's draft of 3 plus prompt lookup's nodes) costs ~1.08x its one-row step at 6 rows and
+# 1.25-1.36x at 8 on a 2-core AMD EPYC (docs/results.md)
 # On CUDA a step is a graph replay whose cost hardly grows with M (SmolLM2-shaped, H200: 2.08 ms at M=1,
 # 3.06 ms at M=16) while each size costs ~25 s to compile and capture: fewer sizes, and longer prefill
 # chunks (docs/history.md, H200 2026-11-26: 352 -> 375 tok/s with 1,16 -> 1,16,128)

@@ -63,12 +63,22 @@ def layout(parents: list[int], start: int, width: int | None = None, device=None
             torch.tensor(anc, dtype=torch.long, device=device))
 
 
+def path_layout(pos: Tensor) -> tuple[Tensor, Tensor]:
+    """layout of a path whose rows sit at slots pos [M] (consecutive): (a copy of pos, anc [M, M]), each row's window
+    the slots of its own last M positions, computed on pos's device without a Python loop. The copy: a compiled step
+    takes slots and logical positions as two inputs, which a tree's call gives apart (the same tensor for both
+    would make a graph that reads one for the other)."""
+    m = pos.shape[0]
+    return pos.clone(), pos[:, None] + torch.arange(1 - m, 1, device=pos.device)[None, :]
+
+
 def visible(pos: Tensor, anc: Tensor, slots: int) -> Tensor:
     """The slots each row sees, as a mask [M, S] (S = slots): those below the map's window (the committed prefix)
-    and the ones the map names."""
+    and the ones the map names (a negative entry, a position before the sequence, names none: the row's own slot
+    stands in for it)."""
     s = torch.arange(slots, device=pos.device)  # [S]
     below = s[None, :] < (pos - anc.shape[1] + 1)[:, None]  # [M, S]
-    return below | (anc[:, :, None] == s[None, None, :]).any(1)
+    return below.scatter_(1, torch.where(anc >= 0, anc, anc[:, -1:]), True)
 
 
 def path_slots(parents: list[int], leaf: int, start: int) -> list[int]:

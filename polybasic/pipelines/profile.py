@@ -205,7 +205,7 @@ def _compile(levels: list, lm, tokens: list[int], lengths: list[int]) -> None:
     sizes = covering(None, [tokens[-1]], dev)
     announce(f"compiling the levels' steps for the profile (sizes {','.join(map(str, sizes))}; profile.compile)")
     seconds = compile_levels(levels, max(lengths), lm.gguf_file, sizes, notify=announce, flag="profile.compile",
-                             lengths=lengths, trees=any(lv.tree_width > 1 for lv in levels[1:]))
+                             lengths=lengths)
     announce(f"compiled steps ready in {seconds:.1f} s")
 
 

@@ -17,7 +17,7 @@ from polybasic.runtime.with_lookup import drafting
 def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | None = None, sizes=None,
                    notify: Callable[[str], None] | None = None, flag: str = "--compile",
                    lengths: Sequence[int] = (), decode: bool = False, rows: Sequence[int] = (),
-                   mode: str = "layers", trees: bool = False) -> float:
+                   mode: str = "layers") -> float:
     """Compile the forwards of every model level and EAGLE head in `levels` (target first), with caches
     for sequences of up to `max_len` tokens, and run each step size until it is steady (StaticSteps.warm_runs).
     lengths: the longest sequence of each request to come (e.g. a benchmark's prompts plus their token
@@ -29,8 +29,8 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
     base verifies. gguf: the file the target's fp32 weights were expanded from (its steps of up to
     gguf_codes.CODED_ROWS tokens read the block codes). notify is told before each step compiles, with how many are
     left and the time left at the pace so far. mode: the models' compile mode on the CPU
-    (models.prepare.compile_for_device). trees: the target verifies token trees whatever the level below it drafts
-    (a profile that measures tree drafters beside path drafters). Returns the seconds it took (compiling, or loading compiled steps from
+    (models.prepare.compile_for_device); a model's steps of more than one row serve paths and token trees alike
+    (Transformer.paths_as_trees). Returns the seconds it took (compiling, or loading compiled steps from
     inductor's cache). Model-free levels are left as they are; a drafter with prompt lookup is its drafter."""
     t0 = time.perf_counter()
     drafters = [drafting(lvl) for lvl in levels]
@@ -53,14 +53,11 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
         lvl.head.setup_caches(max_len + 1)
     # each model's cache size classes, max_len's first (caches that only grow stay in it)
     classes = [(m, n) for m in models for n in m.cache_classes([max_len, *sorted(set(lengths))])]
-    verifiers = {id(lvl.model) for lvl, below in zip(levels, levels[1:])  # the levels that verify token trees
-                 if isinstance(lvl, ModelLevel) and below.tree_width > 1}
-    trees = verifiers | ({id(models[0])} if trees and models else set())
-    progress.total = sum(len(m.warm_calls(decode, id(m) in trees)) for m, _ in classes) + sum(
+    progress.total = sum(len(m.warm_calls(decode)) for m, _ in classes) + sum(
         len(lvl.head._static.sizes) * len(_widths(lvl)) for _, lvl in heads)
     for m, n in classes:
         m.setup_caches(n)
-        m.warm_steps(decode, id(m) in trees)
+        m.warm_steps(decode)
     for m in models:
         m.setup_caches(max_len)  # the caches end in max_len's class
     for _, lvl in heads:

@@ -259,3 +259,41 @@ def test_caches_that_only_grow_keep_their_size_class():
         assert list(generate_tokens(compiled, prompt, 8)) == list(generate_tokens(lean, prompt, 8))
         assert compiled.max_seq_len == (256 if shrink else 512)
         assert compiled._static.compiles == warm, "a request compiled a step compile_levels left out"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paths_run_the_tree_steps_with_their_own_bits(dtype):
+    """A compiled model's path call of more than one row runs its size's tree step (one graph a size for paths and
+    trees): the same logits and features as the path step it replaces; and a token tree's call after paths have run
+    that step (its calls then skip dynamo's guards, then its wrappers) gets the bits of a fresh model's tree call, so
+    the step's graph does not take a path's slots for the tree's logical positions."""
+    from polybasic.models import bf16_rows
+    from polybasic.models.decoder import Transformer
+
+    hf = tiny_hf_llama(tie=True)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    parents = [-1, 0, 1, -1, 3]  # two branches from the prefix
+
+    def run(as_trees: bool, paths: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        model = lean_from_hf(hf, dtype)
+        bf16_rows.bind(model)
+        compile_for_device(model, sizes=(1, 8, 16))
+        model.setup_caches(120)
+        out = []
+        with torch.inference_mode():
+            model(torch.tensor([ids[:16]]), 0, last_only=True)  # the prefill chunk's step
+            for i in range(paths):  # 5 rows after the prefix: the 8-row step
+                out.append(model(torch.tensor([ids[16 + i:21 + i]]), 16 + i))
+            assert any(key[-1] for key in model._static.seen) == (as_trees and paths > 0)  # key[-1]: a tree step
+            out.append(model(torch.tensor([ids[30:35]]), 16, parents=parents))
+        return out
+
+    try:
+        Transformer.paths_as_trees = False
+        apart = run(False, 4)
+    finally:
+        Transformer.paths_as_trees = True
+    shared, fresh = run(True, 4), run(True, 0)
+    for (la, ha), (lb, hb) in zip(apart, shared):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+    assert torch.equal(shared[-1][0], fresh[-1][0]) and torch.equal(shared[-1][1], fresh[-1][1])

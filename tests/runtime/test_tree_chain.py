@@ -36,6 +36,21 @@ def test_layout_of_a_path_is_the_ordinary_call():
     assert torch.equal(trees.visible(pos, anc, 16), torch.ones(16, 16, dtype=torch.bool).tril()[10:14])
 
 
+@pytest.mark.parametrize("start", [0, 2, 10])
+def test_path_layout_and_visible_match_their_definitions(start):
+    """path_layout (closed form, for a path's call through a tree step) equals layout of the path, without sharing
+    pos's tensor; visible equals its definition (the prefix below the window and the slots the map names, none for a
+    position before the sequence) for a path and a tree near the sequence's start."""
+    pos = torch.arange(start, start + 4)
+    got, want = trees.path_layout(pos), trees.layout([-1, 0, 1, 2], start)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0] is not pos
+    for parents in ([-1, 0, 1, 2], TREE["parents"]):
+        p, anc = trees.layout(parents, start)
+        s = torch.arange(start + len(parents) + 3)
+        named = (anc[:, :, None] == s[None, None, :]).any(1)  # [M, S]; negative entries name no slot
+        assert torch.equal(trees.visible(p, anc, len(s)), (s[None, :] < (p - anc.shape[1] + 1)[:, None]) | named)
+
+
 def test_layout_of_a_tree():
     pos, anc = trees.layout(TREE["parents"], start=20, width=4)
     assert pos.tolist() == [20, 21, 22, 21, 20, 21, 23]
