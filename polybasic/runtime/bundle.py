@@ -31,7 +31,7 @@ from polybasic.artifacts import atomic_path
 from polybasic.config import SamplingConfig, check_draft_confidence
 from polybasic.errors import ConfigError, CorruptFileError, ModelNotFoundError, check
 from polybasic.models.eagle_head import load_head
-from polybasic.models.loader import folder_and_args, load_model, load_tokenizer, resolve_hf_folder
+from polybasic.models.loader import folder_and_args, load_model, load_tokenizer, resolve_hf_folder, tokenizer_memo
 from polybasic.models.preflight import (HEAD_CONFIG_KEY, check_source, read_json, safetensors_metadata, source_kind,
                                         split_kernel)
 from polybasic.models.registry import REGISTRY, gguf_path
@@ -138,7 +138,12 @@ def source_sha256(source: str) -> str:
 
 
 def tokenizer_sha256(tokenizer) -> str:
-    """A fingerprint of a tokenizer's vocabulary (token -> id) and its special tokens."""
+    """A fingerprint of a tokenizer's vocabulary (token -> id) and its special tokens (kept beside the tokenizer's
+    cached copy: models.loader.tokenizer_memo)."""
+    return tokenizer_memo(tokenizer, "fingerprint-v1", _fingerprint)
+
+
+def _fingerprint(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
     special = sorted(getattr(tokenizer, "all_special_tokens", []) or [])
     return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()

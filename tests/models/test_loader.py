@@ -136,3 +136,30 @@ def test_tokenizer_comes_from_its_cached_pickle_in_a_new_process(tmp_path, monke
     monkeypatch.setattr(loader, "_TOKENIZERS", {})
     assert loader.load_tokenizer(tmp_path / "m").eos_token == "<unk>"
     assert len(list((tmp_path / "cache" / "tokenizers").glob("*.pkl"))) == 2
+
+
+def test_tokenizer_memo_is_kept_beside_the_cached_tokenizer(tmp_path, monkeypatch):
+    """A value computed from a cached tokenizer (a bundle's tokenizer fingerprint) is kept beside its pickle and read by
+    the next process that loads the same files; a tokenizer not from the cache, or another name, is computed."""
+    import transformers
+
+    from polybasic.models import loader
+    from polybasic.runtime.bundle import _fingerprint, tokenizer_sha256
+
+    monkeypatch.setenv("POLYBASIC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_TOKENIZERS", {})
+    tiny_hf_folder(tmp_path / "m")
+    tok = loader.load_tokenizer(tmp_path / "m")
+    calls = []
+
+    def fn(t):
+        calls.append(t)
+        return _fingerprint(t)
+    assert loader.tokenizer_memo(tok, "fp", fn) == _fingerprint(tok) and len(calls) == 1
+    monkeypatch.setattr(loader, "_TOKENIZERS", {})  # a new process: the pickle, and the value beside it
+    again = loader.load_tokenizer(tmp_path / "m")
+    assert again is not tok and loader.tokenizer_memo(again, "fp", fn) == _fingerprint(tok) and len(calls) == 1
+    assert loader.tokenizer_memo(again, "other", lambda t: "x") == "x"
+    plain = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")  # not from the cache: computed every time
+    assert loader.tokenizer_memo(plain, "fp", fn) == _fingerprint(tok) and len(calls) == 2
+    assert tokenizer_sha256(again) == tokenizer_sha256(plain) == _fingerprint(plain)
