@@ -5,7 +5,8 @@ python -m experiments.tree_cost --model qwen2.5-coder-1.5b@w4a8 --sizes 1,2,4,6,
 
 Each call scores M rows after a fixed context (the cache then rolled back), path and tree alternated, the median of
 --reps after 2 warm ones.
-Trees: a path of ceil(M/2) rows from the context and a branch of the rest off its first node.
+Trees: a path of ceil(M/2) rows from the context and a branch of the rest off its first node. Paths and trees run
+the same compiled step of each size (Transformer.paths_as_trees).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from polybasic.config import SamplingConfig
 from polybasic.models.static import covering
 from polybasic.quant.api import load_any_model
 from polybasic.runtime.compiled import compile_levels
-from polybasic.runtime.levels import ModelLevel, NGramLevel
+from polybasic.runtime.levels import ModelLevel
 
 
 def tree_of(m: int) -> list[int]:
@@ -38,8 +39,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
     lm = load_any_model(a.model, a.dtype, "cpu")
     target = ModelLevel(lm.model, "target")
     rows = [int(r) for r in a.rows.split(",")]
-    tree_drafter = NGramLevel(tree_width=2)  # stands for any bottom level that drafts trees: tree steps compiled too
-    compile_levels([target, tree_drafter], a.context + max(rows) + 2, lm.gguf_file,
+    compile_levels([target], a.context + max(rows) + 2, lm.gguf_file,
                    covering(tuple(int(s) for s in a.sizes.split(",")), [max(rows)], lm.model.device), rows=[max(rows)])
     vocab = lm.args.vocab_size
     ctx = [(7919 * i) % (vocab - 2) + 2 for i in range(a.context)]
