@@ -94,8 +94,9 @@ def generate_tokens(model: Transformer, prompt_ids: list[int], max_new_tokens: i
 
 def pick_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
     """logits [..., V] -> the next tokens [...] on their device: the argmax, or a draw from the processed
-    distribution."""
-    return logits.argmax(-1) if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
+    distribution. The argmax is taken in fp32, the same index (the conversion is exact): torch's CPU argmax over
+    bf16 took 0.50 ms for Qwen's 151,936 logits, over their fp32 copy 0.09 ms (AMD EPYC family 26, 2026-11-29)."""
+    return logits.float().argmax(-1) if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
 
 
 class HostValue:
