@@ -21,7 +21,7 @@ from polybasic.config import SamplingConfig, check_draft_confidence
 from polybasic.errors import ConfigError, check
 from polybasic.runtime.generate import check_request
 from polybasic.runtime.levels import Level, ModelLevel, kv_compatible
-from polybasic.runtime.sampling import check_generator, sample
+from polybasic.runtime.sampling import argmax, check_generator, sample
 from polybasic.runtime.stats import ChainStats, LinkStats
 from polybasic.runtime.tree_verify import rank_trials, verify_tree
 from polybasic.runtime.verify import speculative_verify
@@ -149,7 +149,7 @@ class Chain:
             return None
         target = self.levels[0]
         p = target.score(prompt, [], self.sampling)[0]  # [V] the target's distribution after the prompt
-        tok = int(p.argmax()) if self.sampling.greedy else int(sample(p, self.generator))
+        tok = int(argmax(p)) if self.sampling.greedy else int(sample(p, self.generator))
         for lvl in takers:
             lvl.adopt_prefix(target, len(prompt))
         return tok

@@ -23,7 +23,7 @@ from polybasic.config import SamplingConfig
 from polybasic.models.eagle_head import EagleHead
 from polybasic.runtime.chainspec import check_tree_width
 from polybasic.runtime.levels import Level, ModelLevel, common_prefix
-from polybasic.runtime.sampling import probs_from_logits, sample
+from polybasic.runtime.sampling import argmax, probs_from_logits, sample
 
 
 class EagleLevel(Level):
@@ -104,7 +104,7 @@ class EagleLevel(Level):
         rows: list[Tensor] = []
         raw: list[Tensor] = []  # the head's logits of each draft token [V'] (Level.propose_tree ranks by them)
         for i in range(k):
-            tok = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
+            tok = int(argmax(probs)) if sampling.greedy else int(sample(probs, generator))
             tokens.append(tok)
             rows.append(probs)
             raw.append(self.logits[0])

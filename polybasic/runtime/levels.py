@@ -24,7 +24,7 @@ from polybasic.errors import check
 from polybasic.models import tree as token_tree
 from polybasic.models.gguf_codes import ROW_INVARIANT_DTYPES
 from polybasic.runtime.chainspec import check_tree_width
-from polybasic.runtime.sampling import probs_from_logits, sample
+from polybasic.runtime.sampling import argmax, probs_from_logits, sample
 
 
 @dataclass
@@ -223,7 +223,7 @@ class ModelLevel(Level):
         raw: list[Tensor] = []
         for _ in range(k):
             probs = self.score(context + tokens, [], sampling)[0]  # [V]
-            tok = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
+            tok = int(argmax(probs)) if sampling.greedy else int(sample(probs, generator))
             tokens.append(tok)
             rows.append(probs)
             raw.append(self.logits[0])
@@ -361,7 +361,7 @@ def path_with_siblings(tokens: list[int], q: Tensor, logits: Tensor, width: int,
             z = float(left.sum())
             if z <= 0:  # nothing else has mass (a top-p cut, or a reduced draft vocabulary)
                 break
-            tok = int(left.argmax()) if greedy else int(sample(left / z, generator))
+            tok = int(argmax(left)) if greedy else int(sample(left / z, generator))
             row = one_hot([tok], q.shape[1], q.device)[0] if greedy else left / z  # [V]
             out.append(tok)
             parents.append(d - 1)

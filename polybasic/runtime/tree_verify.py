@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from polybasic.runtime.sampling import sample
+from polybasic.runtime.sampling import argmax, sample
 from polybasic.runtime.verify import residual
 
 
@@ -56,7 +56,7 @@ def verify_tree(tokens: list[int], parents: list[int], q: Tensor, p: Tensor, gre
         row = p[node + 1]  # [V] the verifier's distribution after `node`
         below = kids.get(node, [])
         if greedy:
-            top = int(row.argmax())
+            top = int(argmax(row))
             nxt = next((j for j in below if tokens[j] == top), None)
             if nxt is None:
                 return path, top

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from polybasic.runtime.sampling import sample
+from polybasic.runtime.sampling import argmax, sample
 
 
 def speculative_verify(draft: Tensor, q: Tensor, p: Tensor, greedy: bool,
@@ -26,7 +26,7 @@ def speculative_verify(draft: Tensor, q: Tensor, p: Tensor, greedy: bool,
     """
     k = draft.shape[0]
     if greedy:  # one-hot p and q: accept while the draft equals the verifier's argmax
-        target = p.argmax(-1)  # [k+1]
+        target = argmax(p)  # [k+1]
         mismatch = (target[:k] != draft).nonzero()
         n = int(mismatch[0]) if mismatch.numel() else k
         return n, int(target[n])

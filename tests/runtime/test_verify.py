@@ -36,3 +36,20 @@ def test_first_token_is_distributed_as_verifier():
     assert chi_square_pvalue(counts, p[0]) > 1e-3
     # the draft distribution itself is far from p: the same test rejects it
     assert chi_square_pvalue(counts, q[0]) < 1e-3
+
+
+def test_argmax_gives_torchs_indices_for_ties_nans_and_every_dtype():
+    """sampling.argmax (NumPy's on the CPU) must pick what torch.argmax picks: the first maximum, a NaN first."""
+    from polybasic.runtime.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        x = torch.randint(-3, 3, (4, 1 + 37 * trial), generator=g).float()  # many ties
+        x[0, trial % x.shape[1]] = float("nan")
+        x[1] = float("-inf")
+        x[2, ::2] = -0.0  # equal to 0.0
+        assert int(argmax(x)[0]) == trial % x.shape[1]
+        for t in (x, x.bfloat16(), x.half(), x[:, ::2]):  # and a strided view
+            want = t.argmax(-1)
+            assert torch.equal(argmax(t), want)
+            assert [int(argmax(row)) for row in t] == want.tolist()
