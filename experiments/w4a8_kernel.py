@@ -13,11 +13,18 @@ down, and the LM head), each a different random weight so that every step stream
 a model's step does; codes are random (the cost does not depend on them). Per M: ms per pass over the
 set with each kernel (best of --reps), and the bytes each reads per ms. The first line is the machine's
 read ceiling: torch.amax over a 1 GiB uint8 tensor (--ceiling-mib) on the same threads.
+
+With --against REV the kernel's source at git revision REV is built beside this one (as the op namespace
+polybasic_w4a8_REV) and timed against it instead of torch's kernel, interleaved, on the same weights (a model's mix of
+4-bit and 6-bit tiles as its GGUF has them, --six); each M also checks that both give the same bits.
 """
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,9 +52,28 @@ def shape_args(doc: str, tokens: str) -> argparse.ArgumentParser:
     return p
 
 
+def kernel_at(rev: str):
+    """The w4a8 gemm op as the kernel's source at git revision `rev` builds it (its own namespace)."""
+    from polybasic.models.native import load_ops
+
+    name = f"w4a8_{rev}"
+    text = subprocess.run(["git", "show", f"{rev}:polybasic/quant/kernels/w4a8.cpp"], capture_output=True, text=True,
+                          check=True).stdout
+    src = Path(tempfile.mkdtemp()) / f"{name}.cpp"
+    src.write_text(text.replace("polybasic_w4a8", f"polybasic_{name}"))
+    load_ops(name, src, {"gemm": w4a8._mm_fake})
+    return getattr(torch.ops, f"polybasic_{name}").gemm
+
+
 def main(argv=None) -> None:
-    a = shape_args(__doc__, "1,2,4,8").parse_args(argv)
+    p = shape_args(__doc__, "1,2,4,8")
+    p.add_argument("--against", metavar="REV", help="time the kernel's source at this git revision instead of torch's")
+    p.add_argument("--six", default="lm_head,down:odd", help="with --against: the linears on 6-bit tiles (the LM head, "
+                   "every other layer's down projection: Qwen2.5-Coder-1.5B's Q4_K_M)")
+    a = p.parse_args(argv)
     w4a8.build()
+    if a.against:
+        return against(a)
     print(f"threads {torch.get_num_threads()}; AVX-512 VNNI path: {torch.ops.polybasic_w4a8.vnni()}")
     print(read_ceiling(a.ceiling_mib))
     g = torch.Generator().manual_seed(0)
@@ -74,6 +100,34 @@ def main(argv=None) -> None:
                 best[name].append(_timed(f))
         t4, t8 = min(best["int4pack"]), min(best["w4a8"])
         print(f"| {m} | {t4 * 1e3:.1f} | {n4 / t4 / 1e9:.1f} | {t8 * 1e3:.1f} | {n8 / t8 / 1e9:.1f} | {t4 / t8:.2f}x |")
+
+
+def against(a) -> None:
+    """--against REV: REV's kernel and this one on one model's linears, per M (interleaved, best of --reps)."""
+    old, new = kernel_at(a.against), torch.ops.polybasic_w4a8.gemm
+    print(f"threads {torch.get_num_threads()}; {read_ceiling(a.ceiling_mib)}")
+    g = torch.Generator().manual_seed(0)
+    weights = []  # (K, bits, tiles)
+    for i, (n, k) in enumerate(model_shapes(a.hidden, a.inter, a.kv, a.vocab, a.layers)):
+        lm_head, down_odd = i == 4 * a.layers, i % 8 == 7
+        bits = 6 if (lm_head and "lm_head" in a.six) or (down_odd and "down:odd" in a.six) else 4
+        group, nsb = w4a8.GROUPS[bits], -(-k // 256)
+        u = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.int32)
+        ds, do = (torch.rand(n, nsb, generator=g) * 1e-3).half(), (-torch.rand(n, nsb, generator=g) * 1e-3).half()
+        s8, o8 = (torch.randint(-128, 128, (n, k // group), generator=g, dtype=torch.int8) for _ in range(2))
+        weights.append((k, bits, w4a8.pack_factors(u, ds, s8, do, o8, bits)))
+    gb = sum(w[2].numel() for w in weights) / 1e9
+    print(f"{len(weights)} linears ({sum(w[1] == 6 for w in weights)} on 6-bit tiles), {gb:.2f} GB of tiles\n")
+    print(f"| M | {a.against} ms | now ms | {a.against} / now | same bits |\n|---|---|---|---|---|")
+    for m in [int(t) for t in a.tokens.split(",")]:
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w[0] for w in weights}}
+        same = all(torch.equal(old(xs[k], t, False, b), new(xs[k], t, False, b)) for k, b, t in weights)
+        best = {old: [], new: []}
+        for _ in range(a.reps):
+            for op in best:
+                best[op].append(_timed(lambda: [op(xs[k], t, False, b) for k, b, t in weights]))
+        to, tn = min(best[old]), min(best[new])
+        print(f"| {m} | {to * 1e3:.1f} | {tn * 1e3:.1f} | {to / tn:.2f}x | {same} |", flush=True)
 
 
 def read_ceiling(mib: int) -> str:
