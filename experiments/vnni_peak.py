@@ -6,7 +6,8 @@ Two loops, compiled here with g++ -O3 -march=native and run on 1 and on 2 thread
 - `vpdpbusd` alone: 12 independent accumulators, so nothing waits on a latency: the instruction's throughput;
 - the kernel's mix per (row, group of 32 columns) of a 4-bit tile (polybasic/quant/kernels/w4a8.cpp): 8 `vpdpbusd`
   with broadcast activation words in two chains, then the group's float terms (int -> float, the scale times the
-  activation scale, two fused multiply-adds), for 8 rows at once as a verification of 8 rows runs them.
+  activation scale, two fused multiply-adds), for 8 rows at once as a verification of 8 rows runs them; and the same
+  with each activation word as `vpdpbusd`'s broadcast memory operand ({1to16}, which gcc does not form itself).
 Prints GMAC/s (one `vpdpbusd` is 64 multiply-adds). The kernel's own rate over a model's linears comes from
 experiments.w4a8_kernel (M >= 8: compute-bound).
 """
@@ -44,6 +45,7 @@ double bare(long n) {  // 12 independent chains of vpdpbusd (named: an array's w
   return n * 12 * 64.0 / s / 1e9;
 }
 
+template <bool EMBED>
 double mix(long n) {  // the kernel's per (row, group) work for 8 rows, register-resident -> GMAC/s
   alignas(64) int32_t xq[64];
   alignas(64) float a[8], xs[8];
@@ -60,8 +62,13 @@ double mix(long n) {  // the kernel's per (row, group) work for 8 rows, register
     for (int r = 0; r < 8; ++r) {
       __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
       for (int j = 0; j < 8; j += 2) {
-        d0 = _mm512_dpbusd_epi32(d0, c[j], _mm512_set1_epi32(xq[8 * r + j]));
-        d1 = _mm512_dpbusd_epi32(d1, c[j + 1], _mm512_set1_epi32(xq[8 * r + j + 1]));
+        if constexpr (EMBED) {  // the activation word as vpdpbusd's broadcast memory operand
+          asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(d0) : "v"(c[j]), "m"(xq[8 * r + j]));
+          asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(d1) : "v"(c[j + 1]), "m"(xq[8 * r + j + 1]));
+        } else {  // as the kernel's source writes it (gcc: a separate broadcast, then vpdpbusd)
+          d0 = _mm512_dpbusd_epi32(d0, c[j], _mm512_set1_epi32(xq[8 * r + j]));
+          d1 = _mm512_dpbusd_epi32(d1, c[j + 1], _mm512_set1_epi32(xq[8 * r + j + 1]));
+        }
       }
       res[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), _mm512_mul_ps(sv, _mm512_set1_ps(a[r])), res[r]);
       res[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xs[r]), res[r]);
@@ -77,7 +84,8 @@ double mix(long n) {  // the kernel's per (row, group) work for 8 rows, register
 
 int main(int argc, char** argv) {
   const long n = std::atol(argv[1]);
-  for (auto [name, f] : {std::pair{"vpdpbusd alone", &bare}, std::pair{"the kernel's mix, 8 rows", &mix}}) {
+  for (auto [name, f] : {std::pair{"vpdpbusd alone", &bare}, std::pair{"the kernel's mix, 8 rows", &mix<false>},
+                         std::pair{"the same, broadcasts inside vpdpbusd", &mix<true>}}) {
     const long reps = f == &bare ? n : n / 4;
     double one = f(reps);
     std::vector<double> r(2);
