@@ -537,7 +537,10 @@ class Eagle3Head(EagleHead):
         """tokens [B, M]; feats: the base's [B, M, (n+1) E] (n fused layers, then the last, unread), or the
         head's own outputs [B, M, E] (later draft steps) -> outputs [B, M, E]."""
         e = self.cfg.dim
-        hidden = feats if feats.shape[-1] == e else self.fc(feats[..., :self._check_width(feats) * e])  # [B, M, E]
+        # the fused layers' slice made contiguous: a compiled step multiplied a strided slice of 2+ rows by a copy of
+        # fc's weight, made every call (14 MB on Qwen2.5-Coder-1.5B: ~6 ms a call once the target's step had
+        # evicted it from the caches)
+        hidden = feats if feats.shape[-1] == e else self.fc(feats[..., :self._check_width(feats) * e].contiguous())
         emb = self.base.tok_embeddings(tokens).to(hidden.dtype)  # [B, M, E]
         return self.layers[0](emb, hidden, *self._rope_at(pos, hidden), mask, start)
 

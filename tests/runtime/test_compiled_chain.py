@@ -358,3 +358,26 @@ def test_a_later_compile_reports_to_its_own_caller(hf):
     model.compile_steps(sizes=(1, 2), notify=second.append)
     model.warm_steps()  # each size's all-rows step: new compiles
     assert len(first) == seen and second
+
+
+def test_a_compiled_head_step_never_copies_fcs_weight(hf):
+    """An eagle3 head's compiled step over 2+ rows of the base's features multiplies them by fc's weight as it is:
+    a strided slice of them made the compiled matmul copy the weight at every call (14 MB a call on
+    Qwen2.5-Coder-1.5B)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    models = {"target": lean_from_hf(hf, torch.bfloat16)}  # bf16, as a head runs on a CPU
+    levels = build_levels(models, ["eagle3@target"])
+    levels[1].head.to(torch.bfloat16)
+    compile_levels(levels, MAX_LEN, sizes=SIZES)
+    head = levels[1].head
+    wide = head.cfg.dim * (1 + len(head.cfg.feature_layers))
+    tokens, feats = torch.tensor([[5, 6, 7]]), torch.randn(1, 3, wide, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        head(tokens, feats, 10)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            head(tokens, feats, 10)
+    n = head.fc.weight.numel()
+    copies = [e for e in prof.events() if e.name in ("aten::clone", "aten::copy_", "aten::contiguous")
+              and any(len(s) and int(torch.tensor(s).prod()) == n for s in e.input_shapes)]
+    assert not copies, [(e.name, e.input_shapes) for e in copies]
