@@ -94,7 +94,8 @@ def generate_tokens(model: Transformer, prompt_ids: list[int], max_new_tokens: i
 
 def pick_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
     """logits [..., V] -> the next tokens [...] on their device: the argmax, or a draw from the processed
-    distribution (sampling.argmax: torch's CPU argmax over Qwen's 151,936 bf16 logits took 0.50 ms, this 0.016)."""
+    distribution (sampling.argmax: torch's CPU argmax over Qwen's 151,936 bf16 logits took 0.50 ms, this 0.016, on an
+    AMD EPYC family 26, 2026-11-29)."""
     return argmax(logits) if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
 
 

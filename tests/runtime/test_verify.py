@@ -1,6 +1,7 @@
 """The speculative-sampling rule on its own: exact in greedy mode, distribution-preserving when sampling."""
 import torch
 
+from polybasic.runtime.sampling import argmax
 from polybasic.runtime.verify import speculative_verify
 from tests.stat_utils import chi_square_pvalue
 
@@ -40,8 +41,6 @@ def test_first_token_is_distributed_as_verifier():
 
 def test_argmax_gives_torchs_indices_for_ties_nans_and_every_dtype():
     """sampling.argmax (NumPy's on the CPU) must pick what torch.argmax picks: the first maximum, a NaN first."""
-    from polybasic.runtime.sampling import argmax
-
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
         x = torch.randint(-3, 3, (4, 1 + 37 * trial), generator=g).float()  # many ties
