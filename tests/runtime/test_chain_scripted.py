@@ -136,6 +136,29 @@ def test_bad_chains_are_refused_when_built():
             Chain([t, NGramLevel()], draft_confidence=bad)
 
 
+def test_a_chain_whose_levels_share_one_tokenizer_never_reads_its_vocabulary():
+    """Reading a 150k-token vocabulary costs ~80 ms, and a Chain is built per request: levels that hold the target's
+    own tokenizer object need no comparison; equal tokenizers of other objects still pass, different ones fail."""
+    calls = []
+
+    class Counting(FakeTokenizer):
+        def get_vocab(self):
+            calls.append(self)
+            return super().get_vocab()
+
+    shared = Counting({"x": 0})
+    a, b = level(target_model(), "a"), level(target_model(), "b")
+    a.tokenizer = b.tokenizer = shared
+    Chain([a, b, NGramLevel()])
+    assert calls == []
+    b.tokenizer = Counting({"x": 0})
+    Chain([a, b])
+    assert len(calls) == 2
+    b.tokenizer = Counting({"y": 0})
+    with pytest.raises(ConfigError, match="tokenizer differs"):
+        Chain([a, b])
+
+
 def test_level_confidence_is_the_drawn_tokens_probability():
     """Greedy: under softmax of the raw logits (the processed distribution is one-hot); sampled: under
     the distribution the token was drawn from. Levels without logits (n-gram) never count as unsure."""
