@@ -105,7 +105,7 @@ def sequence_drafts(base, head, tokens: list[int], n_prompt: int, k: int = 5,
     base.setup_caches(n_tok, 1)
     logits, hidden = base(x, 0)  # [1, T, V], [1, T, E]
     base_top = logits[0].argmax(-1).tolist()  # [T]: row p predicts x_{p+1}
-    feats = hidden[:, :-1].to(head.fc.weight.dtype)  # [1, T-1, E] f_p
+    feats = hidden[:, :-1].to(head.dtype)  # [1, T-1, E] f_p
     outs = head.unroll(x, feats, k)  # k x [1, T-1, E]: step j at anchor p predicts x_{p+j+1}
     pred = []
     for out in outs:

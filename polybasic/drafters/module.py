@@ -83,7 +83,7 @@ class DistillModule(L.LightningModule):
             u = torch.rand(f.shape, generator=g).to(f.device, f.dtype)
             per_layer = f.unflatten(-1, (-1, self.head.cfg.dim))  # [B, T-1, n+1, E]: each layer's own RMS
             f = f + (u - 0.5) * self.cfg.noise_std * _rms(per_layer).expand_as(per_layer).flatten(-2)
-        f = f.to(self.head.fc.weight.dtype)
+        f = f.to(self.head.dtype)
         steps = self.cfg.ttt_steps
         outs = self.head.unroll(tokens, f, steps) if steps > 1 else [self.head(tokens[:, 1:], f, 0)]
         # vocabulary-sized work only on the rows that are learned: base row r (position r+1) counts where

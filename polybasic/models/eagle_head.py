@@ -272,22 +272,34 @@ class EagleHead(nn.Module):
         object.__setattr__(self, "base", base)
         return self
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the head's activations and caches: its norms' (fc and the blocks' linears may run on 4-bit
+        kernels, quant.quantize_head)."""
+        return self._norm_weight().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._norm_weight().device
+
+    def _norm_weight(self) -> Tensor:
+        return next(m.weight for m in self.layers.modules() if isinstance(m, RMSNorm))  # never quantized
+
     def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
         """KV cache for incremental decoding (positions 0..max_seq_len-1); with compiled steps a power of
         two (>= 256) rows, plus the padding rows of the largest step, and their RoPE tables and mask."""
-        p = self.fc.weight
         rows = max_seq_len
         if self._static is not None:
             max_seq_len, rows = self._static.cache_rows(max_seq_len)
             kv = self.layers[0].attention.kv_cache
             if max_seq_len <= self.max_cache and getattr(kv, "k", None) is not None and kv.k.shape[0] == batch:
                 return  # the same buffers: the compiled steps keep their graphs (and CUDA graphs their addresses)
-            cos, sin = _rope(self.cfg, 0, rows, p.device, p.dtype)  # [S, 1, D]
+            cos, sin = _rope(self.cfg, 0, rows, self.device, self.dtype)  # [S, 1, D]
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-            self.register_buffer("causal_mask", torch.ones(rows, rows, dtype=torch.bool, device=p.device).tril(),
+            self.register_buffer("causal_mask", torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril(),
                                  persistent=False)  # [S, S]
-        self._set_caches(lambda: KVCache(batch, self.cfg.n_kv_heads, rows, self.cfg.head_dim, p.dtype, p.device))
+        self._set_caches(lambda: KVCache(batch, self.cfg.n_kv_heads, rows, self.cfg.head_dim, self.dtype, self.device))
         self.max_cache = max_seq_len
 
     def compile_steps(self, options: dict | None = None, sizes=None, notify=None) -> None:
@@ -295,7 +307,7 @@ class EagleHead(nn.Module):
         Transformer.compile_steps does; call before setup_caches."""
         if self._static is None:
             object.__setattr__(self, "_static", StaticSteps(self._static_step, "the EAGLE head", sizes,
-                                                            self.fc.weight.device, options, notify))
+                                                            self.device, options, notify))
         elif notify is not None:
             self._static.notify = notify
 
@@ -304,12 +316,12 @@ class EagleHead(nn.Module):
         """Compile every step size now (each once per feature width in `widths`: the base's [(n+1) E],
         the head's own E), so that no compile lands inside a timed or latency-critical call. Writes
         garbage to cache rows the next generation overwrites; needs setup_caches first."""
-        p, steps = self.fc.weight, self._static
+        steps = self._static
         for _ in range(steps.warm_runs):
             for size in steps.sizes:
                 for w in widths:
-                    self(torch.zeros(1, size, dtype=torch.long, device=p.device),
-                         torch.zeros(1, size, w, dtype=p.dtype, device=p.device), 0)
+                    self(torch.zeros(1, size, dtype=torch.long, device=self.device),
+                         torch.zeros(1, size, w, dtype=self.dtype, device=self.device), 0)
 
     def _static_step(self, tokens: Tensor, feats: Tensor, pos: Tensor) -> Tensor:
         return self._step(tokens, feats, pos, self.causal_mask[pos], pos)

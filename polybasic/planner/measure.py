@@ -65,7 +65,7 @@ def _device(level: Level) -> torch.device:
     if isinstance(level, ModelLevel):
         return torch.device(level.model.device)
     if isinstance(level, EagleLevel):
-        return level.head.fc.weight.device
+        return level.head.device
     return torch.device("cpu")
 
 

@@ -47,7 +47,7 @@ def compile_levels(levels: Sequence[Level], max_len: int, gguf: str | Path | Non
         compile_for_device(m, gguf if m is models[0] else None, flag, own, progress, mode)
     for i, lvl in heads:  # binding sets the layers the base returns: before any base step compiles
         # a head feeds at most the rows its base verified since its last draft (then one a draft step), and a prompt
-        own = sizes if not rows or i > len(rows) else _up_to_rows(sizes, rows[i - 1], lvl.head.fc.weight.device)
+        own = sizes if not rows or i > len(rows) else _up_to_rows(sizes, rows[i - 1], lvl.head.device)
         compile_for_device(lvl.head, flag=flag, sizes=own, notify=progress)
         lvl.head.bind(lvl.base.model)
         lvl.head.setup_caches(max_len + 1)

@@ -42,12 +42,11 @@ class EagleLevel(Level):
         super().start(max_len)
         self.head.bind(self.base.model)  # the base returns the layers this head reads (another head may share it)
         self.head.setup_caches(max_len + 1)
-        e = self.head.cfg.dim
-        p = self.head.fc.weight
+        h, e = self.head, self.head.cfg.dim
         wide = e * (1 + len(self.head.cfg.feature_layers))  # the base's features: its other layers, then f_p
-        self.feats = torch.zeros(max_len + 1, wide, dtype=p.dtype, device=p.device)  # [S, (n+1) E] exact
+        self.feats = torch.zeros(max_len + 1, wide, dtype=h.dtype, device=h.device)  # [S, (n+1) E] exact
         self.ftoks: list[int] = []  # tokens whose positions have exact rows in self.feats
-        self.hout = torch.zeros(max_len + 1, e, dtype=p.dtype, device=p.device)  # [S, E] head outputs per row
+        self.hout = torch.zeros(max_len + 1, e, dtype=h.dtype, device=h.device)  # [S, E] head outputs per row
         self.keys: list[tuple[int, bool]] = []  # rows in the head's KV cache: (x_{p+1}, exact feature)
         self.seen_forward = -1
 
