@@ -41,7 +41,8 @@ class Chain:
         probability below this (Level.confidence; 0: the bottom always drafts k tokens and a middle level
         hands up once it holds its threshold), so that k and the thresholds can be long where drafts are
         sure and short where they are not. Lossless: it depends only on the drafting level's own outputs.
-        It cuts a bottom tree's path alike (a model's or head's; its siblings and prompt lookup's nodes stay).
+        It cuts a bottom tree's path alike (a model's or head's), whose siblings then go only where the path's token
+        was below it (levels.path_with_siblings; prompt lookup's nodes stay).
         A bottom level with a tree_width > 1 drafts token trees (k deep; an n-gram level that many leaves, a model or
         EAGLE level that many candidates per depth), which the level above verifies in one forward
         (runtime.tree_verify)."""
