@@ -116,7 +116,7 @@ def compile_for_device(model, gguf: str | Path | None = None, flag: str = "--com
     (models.static) the way its device supports; returns how many linears read GGUF block codes. mode (the CPU):
     'layers' compiles one graph per size for a decoder layer, run by every layer (seconds to compile); 'whole' one
     graph of the whole model per size (minutes to compile, ~3% faster steps on a 2-core CPU; docs/results.md)."""
-    device = model.device if isinstance(model, EagleHead) else model.device
+    device = model.device
     check_compilable(device, flag)
     if mode not in COMPILE_MODES:
         raise ConfigError(f"{flag}: compile mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
