@@ -105,7 +105,7 @@ def quantize_head(head: nn.Module, kernel: str, cache: bool = True) -> nn.Module
     place: fc, its decoder blocks and its draft vocabulary's LM head rows (an eagle3 head's own `lm_head`, an eagle1
     head's rows of the base's), so a draft step reads about a quarter of the bytes. fc was kept as trained before
     2026-11-29: rounded, it reads 2.6 MB a feed instead of 9.4 MB in bf16 on Qwen2.5-Coder-1.5B, and the recipe's
-    head drafted 2-3.5% faster with the same acceptance (docs/drafters.md, heads on 4-bit weights).
+    head drafted 1.9-3.5% faster with the same acceptance (docs/drafters.md, heads on 4-bit weights).
     Lossless all the same: a chain verifies the head's drafts against the distributions it sampled them from.
     cache: keep the 4-bit tensors under $POLYBASIC_CACHE/quantized-heads, keyed by the head's tensors (and an eagle1
     head's base LM head), the kernel and this code; a later call loads them instead of rounding again (~2 s for

@@ -354,7 +354,7 @@ def path_with_siblings(tokens: list[int], q: Tensor, logits: Tensor, width: int,
     drafter gave less (Level.confidence; a path cut by that confidence ends at such a token): where it was sure, a
     sibling would cost a verification row for little. On Qwen2.5-Coder-1.5B @w4a8 with its EAGLE head at k 3 and
     confidence 0.6, siblings at every depth took the target 8-10% longer a verification for 2-5% more accepted tokens;
-    one at the unsure depth alone 2-3% longer for 6.5% more (docs/results.md, token trees).
+    one at the unsure depth alone 2-4% longer for 6.5% more (docs/results.md, token trees).
     Greedy: the next best tokens by the logits, one-hot (deterministic picks). Sampling: draws from q[d] without
     replacement after the path's token, each with the distribution it was drawn from given the earlier ones (q[d]
     less them, renormalized), as runtime.tree_verify's rule needs; which depths get siblings depends only on the
