@@ -124,5 +124,6 @@ class EagleLevel(Level):
         self.logits = (head or self.head.logits)(hidden)[None]  # [1, V'] (the head's draft vocabulary; confidence)
         return self.head.to_full(probs_from_logits(self.logits[0], sampling))
 
-    def full(self, probs: Tensor) -> Tensor:
-        return self.head.to_full(probs)
+    @property
+    def columns(self) -> Tensor | None:  # the head's draft vocabulary (Level.columns)
+        return self.head.d2t

@@ -54,10 +54,7 @@ class Level:
         raise NotImplementedError(f"level '{self.name}' cannot verify; put it at the bottom of the chain")
 
     logits: Tensor | None = None  # raw logits of the rows of its last score or draft step [R, V'] (None: none)
-
-    def full(self, probs: Tensor) -> Tensor:
-        """Probabilities over the level's own logits' vocabulary [..., V'] -> the target's [..., V]."""
-        return probs
+    columns: Tensor | None = None  # the target's token ids of its logits' columns [V'] (None: the target's own)
 
     def confidence(self, row: int, tok: int, probs: Tensor, sampling: SamplingConfig) -> float:
         """How sure the level was of `tok`, drawn from its distribution `probs` [V] at row `row` of its last
@@ -67,7 +64,8 @@ class Level:
             return 1.0
         if not sampling.greedy:
             return float(probs[tok])
-        return float(self.full(torch.softmax(self.logits[row].float(), -1))[tok])
+        col = column_of(tok, self.columns)
+        return 0.0 if col is None else float(torch.softmax(self.logits[row].float(), -1)[col])
 
     def unsure(self, row: int, tok: int, probs: Tensor, sampling: SamplingConfig, threshold: float) -> bool:
         """Whether `threshold` (a draft confidence, 0: off) ends a draft after `tok` (see confidence)."""
@@ -95,13 +93,23 @@ class Level:
         the path's token had less (the depth where the path ends); nodes 0..len(path)-1 are the path, whose cache
         rows need no move when it is kept."""
         tokens, q, logits = self.draft(context, k, sampling, generator, eos, min_confidence)
-        return path_with_siblings(tokens, q, logits, width, sampling.greedy, generator, self.full, min_confidence)
+        return path_with_siblings(tokens, q, logits, width, sampling.greedy, generator, self.columns,
+                                  min_confidence)
 
     def draft(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None,
               eos: frozenset[int], min_confidence: float = 0.0) -> tuple[list[int], Tensor, Tensor]:
         """propose's tokens [n] and distributions [n, V], and the raw logits each was drawn from [n, V'] (a level
         that drafts from logits: ModelLevel, EagleLevel)."""
         raise NotImplementedError(f"level '{self.name}' cannot draft")
+
+
+def column_of(tok: int, columns: Tensor | None) -> int | None:
+    """The column of token `tok` in logits over `columns` [V'] (None: the target's vocabulary: tok itself);
+    None where the columns do not hold it."""
+    if columns is None:
+        return tok
+    hit = (columns == tok).nonzero()
+    return int(hit[0]) if hit.numel() else None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -346,35 +354,41 @@ def one_hot(tokens: list[int], vocab_size: int, device=None) -> Tensor:
 
 
 def path_with_siblings(tokens: list[int], q: Tensor, logits: Tensor, width: int, greedy: bool,
-                       generator: torch.Generator | None, full=lambda p: p,
+                       generator: torch.Generator | None, columns: Tensor | None = None,
                        min_confidence: float = 0.0) -> tuple[list[int], list[int], Tensor]:
-    """A drafted path, tokens [n] drawn one after another from q [n, V] (its raw logits [n, V']: `full` maps their
-    softmax to the target's vocabulary), as a token tree with up to width-1 siblings of a path token: leaves that try
-    other tokens for that position, at every depth, or with a min_confidence > 0 only at the depths whose token the
-    drafter gave less (Level.confidence; a path cut by that confidence ends at such a token): where it was sure, a
-    sibling would cost a verification row for little. On Qwen2.5-Coder-1.5B @w4a8 with its EAGLE head at k 3 and
-    confidence 0.6, siblings at every depth took the target 8-10% longer a verification for 2-5% more accepted tokens;
-    one at the unsure depth alone 2-4% longer for 6.5% more (docs/results.md, token trees).
-    Greedy: the next best tokens by the logits, one-hot (deterministic picks). Sampling: draws from q[d] without
-    replacement after the path's token, each with the distribution it was drawn from given the earlier ones (q[d]
-    less them, renormalized), as runtime.tree_verify's rule needs; which depths get siblings depends only on the
-    drafter's own draws, so the verification stays exact.
+    """A drafted path, tokens [n] drawn one after another from q [n, V] (its raw logits [n, V'], whose columns are the
+    target's tokens `columns`, None: all of them in order), as a token tree with up to width-1 siblings of a path
+    token: leaves that try other tokens for that position, at every depth, or with a min_confidence > 0 only at the
+    depths whose token the drafter gave less (Level.confidence; a path cut by that confidence ends at such a token):
+    where it was sure, a sibling would cost a verification row for little. On Qwen2.5-Coder-1.5B @w4a8 with its EAGLE
+    head at k 3 and confidence 0.6, siblings at every depth took the target 8-10% longer a verification for 2-5% more
+    accepted tokens; one at the unsure depth alone 2-4% longer for 6.5% more (docs/results.md, token trees).
+    Greedy: the next best tokens by the logits, one-hot (deterministic picks), ranked over the logits' own columns (an
+    EAGLE head's 16,384, not the target's 151,936). Sampling: draws from q[d] without replacement after the path's
+    token, each with the distribution it was drawn from given the earlier ones (q[d] less them, renormalized), as
+    runtime.tree_verify's rule needs; which depths get siblings depends only on the drafter's own draws, so the
+    verification stays exact.
     -> (tokens [N], parents [N]: the path's nodes 0..n-1 first, then the siblings; distributions [N, V])."""
     n = len(tokens)
     out, parents, rows = list(tokens), list(range(-1, n - 1)), [q]
     for d in range(n if width > 1 else 0):
-        left = full(torch.softmax(logits[d].float(), -1)).to(q) if greedy else q[d].clone()  # [V]
-        if min_confidence > 0 and float(left[tokens[d]]) >= min_confidence:
+        if greedy:  # over the logits' columns; the picks' rows one-hot in the target's vocabulary
+            left, col = torch.softmax(logits[d].float(), -1), column_of(tokens[d], columns)  # [V']
+        else:
+            left, col = q[d].clone(), tokens[d]  # [V]
+        if min_confidence > 0 and col is not None and float(left[col]) >= min_confidence:
             continue  # the drafter was sure of this position's token
-        left[tokens[d]] = 0
+        if col is not None:
+            left[col] = 0
         for _ in range(width - 1):
             z = float(left.sum())
             if z <= 0:  # nothing else has mass (a top-p cut, or a reduced draft vocabulary)
                 break
-            tok = int(argmax(left)) if greedy else int(sample(left / z, generator))
-            row = one_hot([tok], q.shape[1], q.device)[0] if greedy else left / z  # [V]
+            c = int(argmax(left)) if greedy else int(sample(left / z, generator))
+            tok = c if not greedy or columns is None else int(columns[c])
+            row = one_hot([tok], q.shape[1], q.device)[0].to(q) if greedy else left / z  # [V]
             out.append(tok)
             parents.append(d - 1)
             rows.append(row[None])
-            left[tok] = 0
+            left[c] = 0
     return out, parents, torch.cat(rows)

@@ -355,6 +355,25 @@ def test_path_with_siblings_greedy_ranks_by_logits():
     assert path_with_siblings([1, 0], q, logits, 1, True, None)[0] == [1, 0]
 
 
+def test_path_with_siblings_greedy_over_a_draft_vocabulary_picks_what_the_full_vocabulary_would():
+    """Greedy siblings ranked over a reduced draft vocabulary's columns are the tokens the same probabilities spread
+    over the target's vocabulary rank first (ties to the lower token id), their rows one-hot in the target's."""
+    columns = torch.tensor([0, 2, 5, 7])  # the draft vocabulary's token ids in a vocabulary of 8
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 4.0, 1.2]])  # [2, 4]: a tie at depth 0
+    path = [2, 0]  # each depth's argmax column, as target tokens
+    q = torch.nn.functional.one_hot(torch.tensor(path), 8).float()
+    tokens, parents, rows = path_with_siblings(path, q, logits, 3, True, None, columns)
+    full = torch.zeros(2, 8).index_copy_(1, columns, torch.softmax(logits, -1))
+    want = list(path)
+    for d in range(2):
+        left = full[d].clone()
+        left[path[d]] = 0
+        want += [int(i) for i in left.argsort(descending=True, stable=True)[:2]]
+    assert tokens == want == [2, 0, 5, 7, 5, 7] and parents == [-1, 0, -1, -1, 0, 0]
+    assert rows.shape == (6, 8) and torch.equal(rows.argmax(-1), torch.tensor(tokens))
+    assert path_with_siblings(path, q, logits, 3, True, None, columns, min_confidence=0.5)[0] == [2, 0, 5, 7]
+
+
 def test_path_with_siblings_under_a_confidence_go_where_the_drafter_was_unsure():
     """With min_confidence, siblings only at the depths whose token the drafter gave less (greedy: by the softmax of
     its logits; sampled: by q); without one, at every depth."""
