@@ -556,9 +556,10 @@ class BenchSection:
     max_new_tokens: int = 128  # the most tokens each method generates per question (EOS ends it sooner)
     methods: str = "vanilla,chain"  # comma-separated, as `polybasic bench --methods` (empty: vanilla,chain)
     warmup: int = 1  # untimed warm-up runs of every method on the first N questions (0: none)
+    repeat: int = 1  # runs of every method on each question, interleaved; the fastest is kept (bench --repeat)
 
     def __post_init__(self) -> None:
-        for name, low in (("per_category", 1), ("max_new_tokens", 1), ("warmup", 0)):
+        for name, low in (("per_category", 1), ("max_new_tokens", 1), ("warmup", 0), ("repeat", 1)):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= low, f"bench.{name}", f"must be an integer >= {low}, got {v!r}",
                   f"use {low} or more")

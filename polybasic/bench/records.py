@@ -30,6 +30,7 @@ from polybasic.bench.runner import Record
 from polybasic.errors import ConfigError, CorruptFileError
 
 FORMAT = "polybasic.bench.records/1"
+ADDED_FIELDS = {"repeat": 1}  # config fields added since the format began: the value a header without one meant
 NAME = "records.jsonl"
 
 
@@ -146,9 +147,10 @@ def _changed_field(path: Path, entries: list[dict], config: dict) -> str | None:
                 "(the file is then moved aside) or pass another --report folder")
     old = head["config"]
     for key in dict.fromkeys([*config, *old]):
-        if old.get(key) != config.get(key):
+        was = old.get(key, ADDED_FIELDS.get(key))
+        if was != config.get(key):
             return (f"--resume: {key} changed: the records in {path} were measured with {key} = "
-                    f"{old.get(key)!r}, this command has {config.get(key)!r}; run the earlier command to continue "
+                    f"{was!r}, this command has {config.get(key)!r}; run the earlier command to continue "
                     "them, or drop --resume (the earlier records are then moved aside) or pass another --report "
                     "folder to start over")
     return None

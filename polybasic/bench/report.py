@@ -145,7 +145,9 @@ def markdown(doc: dict) -> str:
         *([f"Peak RSS: {rss:.0f} MiB, of the whole process (every method's models loaded together), "
            "not of one method.", ""] if rss is not None else []),
         f"Model {c.get('model')}, {c.get('prompts')} prompts, max {c.get('max_new_tokens')} new tokens, "
-        f"temperature {c.get('temperature')}, seed {c.get('seed')}, warm-up {c.get('warmup')}.", "",
+        f"temperature {c.get('temperature')}, seed {c.get('seed')}, warm-up {c.get('warmup')}"
+        + (f", best of {c['repeat']} interleaved runs per prompt and method" if (c.get("repeat") or 1) > 1 else "")
+        + ".", "",
         "tokens/s = total new tokens / total wall time (prefill included); speedup against vanilla "
         "(our decoder on the target in its dtype) on the same prompts; vs fastest = against the fastest "
         "vanilla decoder of the run (vanilla, vanilla:DTYPE, vanilla-compiled...); median = median over "

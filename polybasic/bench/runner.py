@@ -1,5 +1,9 @@
 """Run every method on the same prompts (interleaved, rotated order) and aggregate Spec-Bench style.
 
+With repeat N each method runs N times on every prompt, the rounds interleaved (each rotated once more), and a
+record keeps the fastest run's wall time (best of N, as timeit): on a shared machine a slow spell of a few
+seconds hits whichever method runs then, not a method. Every run's time is kept in the record (`walls`).
+
 Aggregates follow Spec-Bench: tokens/s = total new tokens / total wall time over the prompts of a
 group; speedup = a method's tokens/s / vanilla's tokens/s on the same prompts; tau = total new
 tokens / total target forwards (chain methods only). median_speedup, the median over prompts of
@@ -33,13 +37,15 @@ class Record:
     tokens: list[int]
     accepted: list[int] | None = None  # bottom link: accepted drafts per verification (chains)
     links: dict[str, list[int]] | None = None  # every link's, by name 'verifier<-drafter' (chains)
+    walls: list[float] | None = None  # with repeat > 1: every run's wall time, in the order run (wall_s: the least)
 
 
 def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, list[int]]],
             seed: int = 0, warmup: int = 1, progress: bool = True, *, order: Sequence[str] | None = None,
             done: Collection[tuple] = (), on_record: Callable[[Record], None] | None = None,
-            on_failure: Callable[[Failure], None] | None = None) -> list[Record]:
-    """prompts: (question_id, category, prompt_ids). Method order rotates by one per prompt.
+            on_failure: Callable[[Failure], None] | None = None, repeat: int = 1) -> list[Record]:
+    """prompts: (question_id, category, prompt_ids). Method order rotates by one per prompt (and per round of a
+    prompt's `repeat` rounds; a record then keeps the fastest round's time, see the module's docstring).
 
     Warm-up runs each method untimed on the first `warmup` prompts (cycled if fewer prompts).
     order: the rotation's methods (default: the runners'); one without a runner (finished or failed in a
@@ -52,7 +58,8 @@ def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, lis
 
     names, live, done = list(order or runners), dict(runners), set(done)
     todo = sum((m, q, c) not in done for m in live for q, c, _ in prompts)
-    bar = tqdm(total=warmup * len(live) + todo, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=warmup * len(live) + todo * repeat, desc="bench", unit="run", disable=not progress,
+               dynamic_ncols=True)
     call = _caller(live, on_failure)
     try:
         for w in range(warmup):
@@ -63,22 +70,38 @@ def run_all(runners: dict[str, Runner], prompts: Sequence[tuple[object, str, lis
                 bar.update()
         records: list[Record] = []
         for i, (qid, cat, ids) in enumerate(prompts):
-            r = i % len(names)
-            for name in names[r:] + names[:r]:
-                if name not in live or (name, qid, cat) in done:
+            outs: dict[str, list[Output]] = {}
+            for rnd in range(repeat):
+                r = (i + rnd) % len(names)
+                for name in names[r:] + names[:r]:
+                    if name not in live or (name, qid, cat) in done:
+                        continue
+                    bar.set_postfix_str(f"{cat} {name}" + (f" ({rnd + 1}/{repeat})" if repeat > 1 else ""))
+                    out = call(name, ids, seed + i, "prompt", qid, cat)
+                    bar.update()
+                    if out is not None:
+                        outs.setdefault(name, []).append(out)
+            for name, runs in outs.items():
+                if name not in live:  # failed in a later round: no record
                     continue
-                bar.set_postfix_str(f"{cat} {name}")
-                out = call(name, ids, seed + i, "prompt", qid, cat)
-                bar.update()
-                if out is None:
-                    continue
-                records.append(Record(name, qid, cat, len(ids), len(out.tokens), out.wall_s, out.tau,
-                                      list(out.tokens), out.accepted, out.links))
+                records.append(_record(name, qid, cat, ids, runs))
                 if on_record:
                     on_record(records[-1])
     finally:
         bar.close()
     return records
+
+
+def _record(name: str, qid, cat: str, ids: list[int], runs: list[Output]) -> Record:
+    """One method's record of a prompt from its runs (the same seed each): the first run's tokens and statistics,
+    the fastest run's wall time. Runs that made other tokens are a determinism bug, reported, not averaged away."""
+    first = runs[0]
+    if any(o.tokens != first.tokens for o in runs[1:]):
+        raise RuntimeError(f"method {name}: its runs on question {qid} ({cat}) made different tokens with the same "
+                           "seed; a method must be deterministic for --repeat")
+    walls = [o.wall_s for o in runs]
+    return Record(name, qid, cat, len(ids), len(first.tokens), min(walls), first.tau, list(first.tokens),
+                  first.accepted, first.links, walls if len(runs) > 1 else None)
 
 
 def _caller(live: dict[str, Runner], on_failure: Callable[[Failure], None] | None):

@@ -77,6 +77,7 @@ def validate(a: argparse.Namespace):
     if a.step_sizes:
         check_sizes(a.step_sizes, "--step-sizes")
     for field, value, low in (("max_new_tokens", a.max_new_tokens, 1), ("warmup", a.warmup, 0),
+                              ("repeat", getattr(a, "repeat", 1), 1),
                               ("draft_tokens", a.draft_tokens, 1), ("threads", a.threads, 1),
                               ("predict", getattr(a, "predict", 0), 0)):
         if value is not None and value < low:
@@ -123,8 +124,8 @@ def _check_bundle(a: argparse.Namespace):
 # every option that changes a run's results (besides methods, prompts and a bundle's manifest): --resume
 # continues a run only when all of them are unchanged
 RESULT_FIELDS = ("model", "bundle", "dtype", "device", "threads", "questions", "categories", "per_category",
-                 "max_new_tokens", "temperature", "top_k", "top_p", "seed", "warmup", "draft_tokens", "adaptive_k",
-                 "draft_confidence", "thresholds", "step_sizes", "compile_mode", "reprofile")
+                 "max_new_tokens", "temperature", "top_k", "top_p", "seed", "warmup", "repeat", "draft_tokens",
+                 "adaptive_k", "draft_confidence", "thresholds", "step_sizes", "compile_mode", "reprofile")
 
 
 def run_header(a: argparse.Namespace, methods: list[str], questions) -> dict:
@@ -198,7 +199,7 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
                                         a.max_new_tokens, lambda s: print(s, file=sys.stderr)))
     try:
         run_all(runners, prompts, seed=a.seed, warmup=a.warmup, progress=not a.no_progress, order=methods,
-                done=log.done(), on_record=log.record, on_failure=log.failure)
+                done=log.done(), on_record=log.record, on_failure=log.failure, repeat=a.repeat)
     finally:
         for r in runners.values():
             getattr(r, "close", lambda: None)()  # peers' processes end
@@ -213,7 +214,7 @@ def run_bench(a: argparse.Namespace, methods: list[str], sampling, questions, lm
         "compile_mode": a.compile_mode, "adaptive_k": a.adaptive_k,
         "draft_confidence": a.draft_confidence,
         "seed": a.seed,
-        "warmup": a.warmup}, log.compile_s, log.failures)
+        "warmup": a.warmup, "repeat": a.repeat}, log.compile_s, log.failures)
     write_outputs(doc, a.json_out, a.report)
     print(text_table(doc))
     for label, path in (("json", a.json_out), ("report", a.report and Path(a.report) / "report.md"),

@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
                         "predicted speedup beside the measured one (0: only a bundle's chain has one, its plan's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts per method before timing")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run every method N times on each prompt, the rounds interleaved, and keep the fastest "
+                        "run's time (best of N: a shared machine's slow spells hit a run, not a method; every "
+                        "run's time stays in the records)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results JSON")
     p.add_argument("--report", default=None, metavar="DIR", help="write report.md and bench.json")

@@ -68,3 +68,10 @@ def test_a_foreign_file_is_not_resumed(tmp_path):
     path.write_text(json.dumps({"something": "else"}) + "\n")
     with pytest.raises(ConfigError, match="is not a records file of this bench"):
         open_log(path, CONFIG, resume=True)
+
+
+def test_a_header_from_before_a_field_was_added_resumes_with_its_old_value(tmp_path):
+    path = filled(tmp_path / "records.jsonl")  # CONFIG has no "repeat": measured once a prompt
+    assert open_log(path, {**CONFIG, "repeat": 1}, resume=True).done() == {("vanilla", 1, "qa")}
+    with pytest.raises(ConfigError, match=r"--resume: repeat changed: .* repeat = 1, this command has 3"):
+        open_log(path, {**CONFIG, "repeat": 3}, resume=True)

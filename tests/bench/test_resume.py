@@ -117,7 +117,7 @@ def test_the_recipe_bench_stage_continues_or_starts_over(tmp_path, questions_fil
     from polybasic.pipelines.bench import _args
 
     recipe = NS(bench=NS(questions=str(questions_file), per_category=1, categories=[], max_new_tokens=4,
-                         methods=None, warmup=0), profile=NS(temperature=0.0, top_p=1.0, k=3),
+                         methods=None, warmup=0, repeat=1), profile=NS(temperature=0.0, top_p=1.0, k=3),
                 model=NS(dtype="float32", device="cpu"), export=NS(folder="bundle"))
     manifest = tmp_path / "bundle" / "manifest.json"
     manifest.parent.mkdir()

@@ -26,6 +26,32 @@ def test_rotation_warmup_and_seeds():
     assert len(records) == 12 and {r.method for r in records} == {"vanilla", "a", "b"}
 
 
+def test_repeat_interleaves_rounds_and_keeps_the_fastest_run():
+    """With repeat N every method runs N times on a prompt, each round rotated once more; one record per method
+    and prompt holds the least wall time and every run's."""
+    calls, walls = [], iter([3.0, 1.0, 2.0] * 10)
+
+    def run(name):
+        def go(ids, seed):
+            calls.append(name)
+            return Output([seed, 1], next(walls), None)
+        return go
+    records = run_all({"vanilla": run("vanilla"), "a": run("a")}, [(0, "c", [0]), (1, "c", [1])], warmup=0,
+                      progress=False, repeat=3)
+    assert calls == ["vanilla", "a", "a", "vanilla", "vanilla", "a", "a", "vanilla", "vanilla", "a", "a", "vanilla"]
+    assert [(r.method, r.question_id) for r in records] == [("vanilla", 0), ("a", 0), ("a", 1), ("vanilla", 1)]
+    assert [r.walls for r in records[:2]] == [[3.0, 3.0, 1.0], [1.0, 2.0, 2.0]]
+    assert [r.wall_s for r in records] == [1.0] * 4 and records[2].tokens == [1, 1]
+    once = run_all({"vanilla": run("vanilla")}, [(0, "c", [0])], warmup=0, progress=False)
+    assert once[0].walls is None  # one run: nothing more to keep
+
+
+def test_repeat_refuses_a_method_whose_runs_differ():
+    outs = iter([Output([1, 2], 1.0, None), Output([1, 3], 1.0, None)])
+    with pytest.raises(RuntimeError, match="method x: its runs on question 7 .* made different tokens"):
+        run_all({"x": lambda ids, seed: next(outs)}, [(7, "qa", [0])], warmup=0, progress=False, repeat=2)
+
+
 def rec(method, qid, cat, n, wall, tau=None, tokens=None):
     return Record(method, qid, cat, 5, n, wall, tau, tokens if tokens is not None else list(range(n)))
 
