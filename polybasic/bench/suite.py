@@ -77,7 +77,7 @@ def validate(a: argparse.Namespace):
     if a.step_sizes:
         check_sizes(a.step_sizes, "--step-sizes")
     for field, value, low in (("max_new_tokens", a.max_new_tokens, 1), ("warmup", a.warmup, 0),
-                              ("repeat", getattr(a, "repeat", 1), 1),
+                              ("repeat", a.repeat, 1),
                               ("draft_tokens", a.draft_tokens, 1), ("threads", a.threads, 1),
                               ("predict", getattr(a, "predict", 0), 0)):
         if value is not None and value < low:
