@@ -21,9 +21,9 @@ def _args(recipe, out: Path) -> argparse.Namespace:
         questions=b.questions or None, per_category=b.per_category,
         categories=",".join(b.categories) or None, max_new_tokens=b.max_new_tokens, methods=b.methods,
         temperature=p.temperature, top_k=0, top_p=p.top_p, draft_tokens=p.k, adaptive_k=False, seed=0,
-        warmup=b.warmup, repeat=b.repeat, threads=None, json_out=str(out / "bench" / "bench.json"), report=str(out / "bench"),
-        no_progress=False, reprofile=False, thresholds=None, step_sizes=None, compile_mode="layers",
-        draft_confidence=None, resume=True, strict=False, peer_timeout=PEER_TIMEOUT_S)
+        warmup=b.warmup, repeat=b.repeat, threads=None, json_out=str(out / "bench" / "bench.json"),
+        report=str(out / "bench"), no_progress=False, reprofile=False, thresholds=None, step_sizes=None,
+        compile_mode="layers", draft_confidence=None, resume=True, strict=False, peer_timeout=PEER_TIMEOUT_S)
 
 
 def check_inputs(recipe, out: Path, upstream: set[str]) -> None:
