@@ -7,12 +7,18 @@ Each call scores M rows after a fixed context (the cache then rolled back), path
 --reps after 2 warm ones.
 Trees: a path of ceil(M/2) rows from the context and a branch of the rest off its first node. Paths and trees run
 the same compiled step of each size (Transformer.paths_as_trees).
+
+--spells SECONDS: then, for that long, rounds of one call of every M in turn (trees from 3 rows), sorted by their
+T(1) into quarters: each quarter's median T(1) and T(M)/T(1). On a VM whose memory speed moves, this says what
+bounds T(M) at each speed: where T(1) is slow (the weights' bytes) extra rows are nearly free; where it is fast, the
+rows' products show.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 from polybasic.config import SamplingConfig
 from polybasic.models.static import covering
@@ -27,6 +33,16 @@ def tree_of(m: int) -> list[int]:
     return list(range(-1, a - 1)) + [0 if j == 0 else a + j - 1 for j in range(m - a)]
 
 
+def quarters(rounds: Sequence[Sequence[float]]) -> list[tuple[float, list[float]]]:
+    """Rounds of times [T(1), T(M2), ...] (ms) -> per quarter of the rounds sorted by T(1), fastest first: (median
+    T(1), [median T(M)/T(1) for each later M]). Fewer than 4 rounds: one group of all."""
+    rs = sorted(rounds, key=lambda r: r[0])
+    n = len(rs) // 4
+    parts = [rs[i * n:(i + 1) * n if i < 3 else len(rs)] for i in range(4)] if n else [rs]
+    return [(statistics.median(r[0] for r in part),
+             [statistics.median(r[i] / r[0] for r in part) for i in range(1, len(part[0]))]) for part in parts]
+
+
 def main(argv: list[str] | None = None) -> dict[int, dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -35,6 +51,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
     ap.add_argument("--rows", default="1,4,5,7", help="rows M per call (a draft of M-1 tokens)")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--spells", type=float, default=0, help="then this many seconds of rounds of every M, "
+                    "by quarter of T(1) (see above)")
     a = ap.parse_args(argv)
     lm = load_any_model(a.model, a.dtype, "cpu")
     target = ModelLevel(lm.model, "target")
@@ -67,6 +85,18 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
         out[m] = {"path_ms": medians[0], "tree_ms": medians[1] if len(medians) > 1 else None}
         tree = f"{out[m]['tree_ms']:.1f} ms" if out[m]["tree_ms"] is not None else "-"
         print(f"| {m} | {out[m]['path_ms']:.1f} ms | {tree} |")
+    if a.spells > 0:
+        shapes = {m: ([(31 * j) % (vocab - 2) + 2 for j in range(m - 1)], tree_of(m - 1) if m > 2 else None)
+                  for m in [1] + [m for m in rows if m != 1]}
+        rounds, end = [], time.perf_counter() + a.spells
+        while time.perf_counter() < end or not rounds:
+            rounds.append([once(*shape) for shape in shapes.values()])
+        later = list(shapes)[1:]
+        print(f"\n{len(rounds)} rounds of every M in {a.spells:.0f} s, by quarter of T(1) (trees from 3 rows):")
+        print("| quarter | T(1) | " + " | ".join(f"T({m})/T(1)" for m in later) + " |\n|---|---|" + "---|" * len(later))
+        out["spells"] = quarters(rounds)
+        for i, (t1, ratios) in enumerate(out["spells"]):
+            print(f"| {i + 1} | {t1:.1f} ms | " + " | ".join(f"{r:.3f}" for r in ratios) + " |")
     return out
 
 
