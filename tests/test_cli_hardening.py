@@ -68,6 +68,7 @@ def w(tmp_path_factory):
     (["--chain", "eagle:missing.safetensors"], ["--chain: level 'eagle:missing.safetensors'", "does not exist"]),
     (["--prompt-file", "{d}/missing.txt"], ["--prompt-file", "{d}/missing.txt", "does not exist"]),
     (["--prompt", "x", "--prompt-file", "{d}/q.jsonl"], ["not allowed with argument"]),
+    (["x", "--prompt-file", "{d}/q.jsonl"], ["not allowed with argument"]),
 ])
 def test_generate_bad_input(w, tmp_path, argv, words):
     argv = [a.format(d=w) for a in argv]
@@ -173,6 +174,8 @@ def test_prompt_from_stdin_and_file_generate(w, tmp_path, monkeypatch, capsys):
     base = ["generate", "--model", str(w / "m"), "--no-chat", "--max-new-tokens", "6", "--json"]
     assert main(base + ["--prompt", "w1 w2 w3 w1 w2"]) == 0
     ref = json.loads(capsys.readouterr().out)
+    assert main(base + ["w1 w2 w3 w1 w2"]) == 0  # the prompt as the positional argument
+    assert json.loads(capsys.readouterr().out)["text"] == ref["text"]
     (tmp_path / "p.txt").write_text("w1 w2 w3 w1 w2")
     assert main(base + ["--prompt-file", str(tmp_path / "p.txt")]) == 0
     assert json.loads(capsys.readouterr().out)["text"] == ref["text"]

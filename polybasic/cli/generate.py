@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
                    help="the target: short name, .gguf file, Hugging Face folder, Hub id or a quantized "
                         ".safetensors copy")
     prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt text (as --prompt)")
     prompt.add_argument("--prompt", help="the prompt text; '-' reads it from stdin (for long prompts)")
     prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
@@ -70,7 +71,9 @@ def add_device_flag(p: argparse.ArgumentParser) -> None:
 
 
 def read_prompt(a: argparse.Namespace) -> str:
-    """The prompt from --prompt TEXT, --prompt - (stdin) or --prompt-file PATH."""
+    """The prompt from PROMPT or --prompt TEXT, --prompt - (stdin) or --prompt-file PATH."""
+    if a.prompt is None and a.text is not None:
+        a.prompt = a.text
     if a.prompt_file is not None:
         path = Path(a.prompt_file).expanduser()
         if not path.is_file():
