@@ -72,8 +72,7 @@ def add_device_flag(p: argparse.ArgumentParser) -> None:
 
 def read_prompt(a: argparse.Namespace) -> str:
     """The prompt from PROMPT or --prompt TEXT, --prompt - (stdin) or --prompt-file PATH."""
-    if a.prompt is None and a.text is not None:
-        a.prompt = a.text
+    prompt = a.text if a.prompt is None else a.prompt
     if a.prompt_file is not None:
         path = Path(a.prompt_file).expanduser()
         if not path.is_file():
@@ -84,10 +83,10 @@ def read_prompt(a: argparse.Namespace) -> str:
             raise ConfigError(f"--prompt-file: {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
                               "save it as UTF-8") from None
         where = f"--prompt-file: {path}"
-    elif a.prompt == "-":
+    elif prompt == "-":
         text, where = sys.stdin.read(), "--prompt -: stdin"
     else:
-        return a.prompt
+        return prompt
     if not text.strip():
         raise ConfigError(f"{where} is empty; pass a prompt")
     return text
